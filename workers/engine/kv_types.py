@@ -1,0 +1,94 @@
+"""The seam between the engine and a KV transport.
+
+Prefill side: a request added with a `KVSink` has its prompt KV handed to the sink one
+layer at a time, as soon as the step that completes the prompt has written that layer.
+Decode side: `LLMEngine.reserve_kv` allocates blocks for an expected transfer (reusing
+blocks its prefix cache already holds), the transport writes each received layer with
+`LLMEngine.write_kv_layer`, then `commit_kv` turns the reservation into a running
+request, or `cancel_kv` frees it.
+
+Layer tensors have shape `KVLayout.layer_shape(num_blocks)`:
+`[2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]`, contiguous.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Everything that must match for KV computed by one engine to be valid in another."""
+
+    model_fingerprint: str  # hash of the model config (architecture, sizes, rope)
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str  # torch dtype name without "torch.", e.g. "float32", "bfloat16"
+
+    def fingerprint(self) -> str:
+        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        return hashlib.blake2b(blob, digest_size=16).hexdigest()
+
+    def layer_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def layer_nbytes(self, num_blocks: int) -> int:
+        n = 1
+        for d in self.layer_shape(num_blocks):
+            n *= d
+        return n * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+
+class KVSink(Protocol):
+    """Receives a request's prompt KV from the prefill engine, layer by layer.
+
+    Called on the engine's step thread; implementations must return quickly (hand the
+    tensor to a sender thread). `kv` is a fresh contiguous tensor owned by the sink.
+    Blocks before `start_block` are not sent (the receiver already caches them).
+    """
+
+    start_block: int
+
+    def on_layer(self, layer_idx: int, kv: torch.Tensor) -> None: ...
+
+    def on_complete(self, first_token_id: int) -> None:
+        """All layers were handed over; `first_token_id` is the token prefill sampled."""
+
+    def on_abort(self, reason: str) -> None:
+        """The request ended before its KV was complete (abort, error, preemption)."""
+
+
+@dataclass
+class KVReservation:
+    """Blocks held on the decode side for one expected transfer."""
+
+    transfer_id: str
+    prompt_token_ids: list[int]
+    block_ids: list[int]  # one per block of the prompt, in order
+    num_cached_blocks: int  # leading blocks already valid from the prefix cache
+    layout: KVLayout
+    layers_written: set[int] = field(default_factory=set)
+
+    @property
+    def num_blocks_to_receive(self) -> int:
+        return len(self.block_ids) - self.num_cached_blocks
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One engine step, for the `auto` policy and the `plan` simulator to learn from."""
+
+    start_time: float  # time.time() at step start
+    step_time_s: float
+    num_prefill_tokens: int  # prompt tokens computed this step
+    num_decode_seqs: int  # sequences that produced a decode token this step
+    num_context_tokens: int  # sum of context lengths attended over
+    num_running: int
+    num_waiting: int
