@@ -1,0 +1,53 @@
+"""Typed messages between the router and the worker deployments.
+
+The router decides the route; the worker carries it out and reports the route it
+actually took (a failed remote prefill falls back to local) on the first chunk, so the
+router can set `x-pd-route` / `x-pd-reason` before any body byte is sent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from workers.engine.sampling_params import SamplingParams
+
+Route = Literal["local", "disagg"]
+
+# The closed list of INTERFACES.md.
+REASONS = (
+    "forced", "profile", "short-prompt", "prefix-hit", "long-prompt", "prefill-busy",
+    "prefill-unhealthy", "prefill-failed", "prefill-timeout", "decode-busy",
+)
+
+
+@dataclass
+class GenerateRequest:
+    request_id: str  # the client's x-request-id (or generated); root of the transfer id
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # pinned by the router so the output does not depend on the route
+    route: Route
+    reason: str  # one of REASONS
+    workload: str = "default"
+    deadline: float | None = None  # time.time() after which the request is aborted
+    prefill_timeout_s: float = 30.0  # remote prefill + transfer; then local fallback
+    target_replica: str | None = None  # replica unique id the request router must pick
+    prefill_replica: str | None = None  # for route == "disagg": the prefill replica to use
+    detokenize: bool = True
+
+
+@dataclass
+class GenerateChunk:
+    """One item of a worker's `generate` stream."""
+
+    token_ids: list[int] = field(default_factory=list)  # new tokens since the last chunk
+    text: str = ""  # new text since the last chunk (never a broken UTF-8 sequence)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    # Set on the first chunk only: what the worker actually did.
+    route: Route | None = None
+    reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: dict | None = None  # OpenAI-shaped error body when finish_reason == "error"
