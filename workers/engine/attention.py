@@ -1,0 +1,103 @@
+"""Paged attention behind transformers' attention interface.
+
+The model code stays the real transformers Llama / Qwen2 / Mistral definition: we
+register `paged_attention_forward` under `ATTENTION_NAME` and set
+`config._attn_implementation` to it. Because the name is unknown to transformers' mask
+interface, the model builds no 4-D mask. Each step passes one `AttentionMetadata` to
+`model(...)` as the `attn_metadata` keyword; transformers forwards it to every attention
+call, so there is no module-global state.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+
+from workers.engine.kv_cache import KVCache
+from workers.engine.kv_types import KVSink
+
+ATTENTION_NAME = "pdcluster_paged"
+
+
+@dataclass
+class KVExport:
+    """Hand `block_ids` of every layer to `sink` as soon as that layer is written."""
+
+    sink: KVSink
+    block_ids: list[int]
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs for one step of a packed batch (batch dim 1).
+
+    Sequence i owns packed tokens `query_start_locs[i] : query_start_locs[i] + query_lens[i]`;
+    they are its tokens `context_lens[i] - query_lens[i] : context_lens[i]`, and it attends
+    over its first `context_lens[i]` tokens, stored in `block_tables[i]`.
+    """
+
+    kv_cache: KVCache
+    backend: AttentionBackend
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot (block_id * block_size + offset) per new token
+    query_start_locs: list[int]
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    exports: list[KVExport] = field(default_factory=list)
+    backend_state: Any = None  # whatever `backend.prepare` precomputed for all layers
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+
+class AttentionBackend(ABC):
+    """How one layer's attention reads and writes the paged cache.
+
+    Contract for `forward`, called once per layer per step:
+    - `query` is `[num_tokens, num_heads, head_dim]`, `key`/`value` are
+      `[num_tokens, num_kv_heads, head_dim]` for the packed new tokens, RoPE applied.
+    - It must first write `key`/`value` into `meta.kv_cache` layer `layer_idx` at
+      `meta.slot_mapping`, then attend each sequence's queries over its whole cached
+      context (earlier steps' tokens and this step's), causally within the new tokens.
+    - It returns `[num_tokens, num_heads, head_dim]` in packed order.
+    `prepare` runs once per step before the first layer and may stash reusable tensors
+    (masks, padded block tables) in `meta.backend_state`.
+    """
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Precompute per-step state shared by all layers (optional)."""
+
+    @abstractmethod
+    def forward(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                meta: AttentionMetadata, scaling: float) -> torch.Tensor: ...
+
+
+def write_kv(meta: AttentionMetadata, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
+    slots = meta.kv_cache.slots_view(layer_idx)
+    slots[0].index_copy_(0, meta.slot_mapping, key.to(slots.dtype))
+    slots[1].index_copy_(0, meta.slot_mapping, value.to(slots.dtype))
+
+
+def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                            value: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float,
+                            dropout: float = 0.0, attn_metadata: AttentionMetadata | None = None,
+                            **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention signature: `query` `[1, heads, tokens, head_dim]` in, `[1, tokens, heads, head_dim]` out."""
+    if attn_metadata is None:
+        raise RuntimeError(f"{ATTENTION_NAME} attention needs attn_metadata=AttentionMetadata(...)")
+    meta, layer_idx = attn_metadata, module.layer_idx
+    out = meta.backend.forward(layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1),
+                               value[0].transpose(0, 1), meta, scaling)
+    for export in meta.exports:  # this layer is in the cache now: let the transport stream it
+        export.sink.on_layer(layer_idx, meta.kv_cache.read_blocks(layer_idx, export.block_ids))
+    return out.unsqueeze(0), None
+
+
+def register_paged_attention() -> str:
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+    return ATTENTION_NAME

@@ -1,0 +1,103 @@
+"""The paged KV pool: one preallocated tensor per layer, sized once at start-up.
+
+Layer tensors are `[2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]`
+(`KVLayout.layer_shape`), so a block's K and V for one layer are two contiguous slabs
+and a transfer of N blocks is one index along dim 1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch
+
+from workers.engine.kv_types import KVLayout
+
+DEFAULT_GPU_MEMORY_FRACTION = 0.9
+DEFAULT_CPU_KV_BYTES = 1 << 30
+
+# Config fields that change what a KV entry means; weights are not hashed, the
+# architecture is (two checkpoints of one architecture exchange KV at the user's risk).
+_FINGERPRINT_FIELDS = (
+    "model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size",
+    "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "max_position_embeddings", "rope_parameters", "rope_theta", "rope_scaling",
+    "rms_norm_eps", "sliding_window", "attention_bias",
+)
+
+
+def model_fingerprint(config) -> str:
+    """A stable hash of the architecture-relevant fields of a transformers config."""
+    fields = {name: getattr(config, name, None) for name in _FINGERPRINT_FIELDS}
+    blob = json.dumps(fields, sort_keys=True, default=str).encode()
+    return hashlib.blake2b(blob, digest_size=16).hexdigest()
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def layout_from_config(config, block_size: int, dtype: torch.dtype) -> KVLayout:
+    return KVLayout(
+        model_fingerprint=model_fingerprint(config),
+        num_layers=config.num_hidden_layers,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        head_dim=head_dim_of(config),
+        block_size=block_size,
+        dtype=str(dtype).removeprefix("torch."),
+    )
+
+
+def bytes_per_block(layout: KVLayout) -> int:
+    """Bytes one block occupies across all layers."""
+    return layout.num_layers * layout.layer_nbytes(1)
+
+
+def auto_num_blocks(layout: KVLayout, device: torch.device,
+                    gpu_memory_fraction: float = DEFAULT_GPU_MEMORY_FRACTION,
+                    cpu_kv_bytes: int = DEFAULT_CPU_KV_BYTES) -> int:
+    """Blocks that fit: a fraction of free device memory on CUDA, a byte budget elsewhere.
+
+    Call after the model is loaded so its weights are already out of the free memory.
+    """
+    if device.type == "cuda":
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+        budget = int(free_bytes * gpu_memory_fraction)
+    else:
+        budget = cpu_kv_bytes
+    num_blocks = budget // bytes_per_block(layout)
+    if num_blocks < 1:
+        raise ValueError(f"KV budget of {budget} bytes holds no block of {bytes_per_block(layout)} bytes")
+    return num_blocks
+
+
+class KVCache:
+    """Per-layer paged K/V tensors; blocks are handed out by the BlockManager."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device) -> None:
+        self.layout = layout
+        self.num_blocks = num_blocks
+        dtype = getattr(torch, layout.dtype)
+        # zeros, not empty: batched decode reads padding slots under a zero attention
+        # weight, and 0 * NaN from uninitialised memory would still poison the output.
+        self.layers = [torch.zeros(layout.layer_shape(num_blocks), dtype=dtype, device=device)
+                       for _ in range(layout.num_layers)]
+
+    def slots_view(self, layer_idx: int) -> torch.Tensor:
+        """The layer as `[2, num_blocks * block_size, num_kv_heads, head_dim]` (one row per slot)."""
+        kv = self.layers[layer_idx]
+        return kv.view(2, -1, *kv.shape[3:])
+
+    def read_blocks(self, layer_idx: int, block_ids: list[int]) -> torch.Tensor:
+        """A fresh contiguous copy of the given blocks: `layout.layer_shape(len(block_ids))`."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.layers[layer_idx].device)
+        return self.layers[layer_idx].index_select(1, index)
+
+    def write_blocks(self, layer_idx: int, block_ids: list[int], kv: torch.Tensor) -> None:
+        expected = self.layout.layer_shape(len(block_ids))
+        if tuple(kv.shape) != expected:
+            raise ValueError(f"layer {layer_idx}: KV shape {tuple(kv.shape)} != expected {expected}")
+        layer = self.layers[layer_idx]
+        index = torch.tensor(block_ids, dtype=torch.long, device=layer.device)
+        layer.index_copy_(1, index, kv.to(device=layer.device, dtype=layer.dtype))

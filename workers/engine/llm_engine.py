@@ -1,0 +1,270 @@
+"""The offline engine: add requests, `step()` them forward, read what each step produced.
+
+One step = schedule (scheduler.py) -> run the model on the paged cache (model_runner.py)
+-> sample (sampler.py) -> per-request finish checks (output_processor.py). The same
+engine serves prefill workers (requests with a `KVSink`, usually `max_tokens=1`) and
+decode workers (KV imported through `reserve_kv` / `write_kv_layer` / `commit_kv`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence as Seq
+
+import torch
+from transformers import AutoTokenizer
+
+from workers.engine.attention import KVExport
+from workers.engine.block_manager import BlockManager
+from workers.engine.kv_cache import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_MEMORY_FRACTION
+from workers.engine.kv_types import KVLayout, KVReservation, KVSink, StepRecord
+from workers.engine.model_runner import ModelRunner, resolve_dtype
+from workers.engine.sampler import Sampler, SamplingRow, request_seed
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.scheduler import ScheduledSeq, Scheduler
+from workers.engine.sequence import RequestOutput, Sequence, SequenceStatus
+from workers.engine.output_processor import OutputProcessor
+
+
+class LLMEngine:
+    def __init__(self, model_dir: str, block_size: int = 16, num_kv_blocks: int | None = None,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
+                 enable_prefix_caching: bool = True, device: str | None = None, dtype: str = "float32",
+                 *, gpu_memory_fraction: float = DEFAULT_GPU_MEMORY_FRACTION,
+                 cpu_kv_bytes: int = DEFAULT_CPU_KV_BYTES, detokenize: bool = True,
+                 max_step_records: int = 4096) -> None:
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.runner = ModelRunner(str(model_dir), self.device, resolve_dtype(dtype), block_size, num_kv_blocks,
+                                  gpu_memory_fraction, cpu_kv_bytes)
+        self.block_manager = BlockManager(self.runner.kv_cache.num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
+        self.sampler = Sampler()
+        self.eos_token_ids = self._eos_token_ids()
+        self.detokenize = detokenize
+        self.step_records: deque[StepRecord] = deque(maxlen=max_step_records)
+        self.requests: dict[str, Sequence] = {}  # unfinished, by request id
+        self.reservations: dict[str, Sequence] = {}  # KV imports in flight, by transfer id
+        self._pending: list[RequestOutput] = []  # ends decided outside step(), reported by the next one
+        # step() and the request/reservation calls may come from different threads (a
+        # server loop, a transport); write_kv_layer needs no lock (see its docstring).
+        self._lock = threading.RLock()
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.runner.layout
+
+    def _eos_token_ids(self) -> frozenset[int]:
+        ids = self.runner.model.generation_config.eos_token_id
+        ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+        if self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
+    # -- requests --------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
+                    kv_sink: KVSink | None = None, seed: int | None = None) -> None:
+        """Queue a request. `seed` pins the sampling seed (default: `params.seed`, else random)."""
+        with self._lock:
+            seq = self._new_sequence(request_id, prompt_token_ids, params, seed)
+            seq.kv_sink = kv_sink
+            self.scheduler.add(seq)
+            self.requests[request_id] = seq
+
+    def _new_sequence(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
+                      seed: int | None) -> Sequence:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        prompt = [int(t) for t in prompt_token_ids]
+        self._check_fits(prompt, params)
+        return Sequence(request_id, prompt, params, seed if seed is not None else request_seed(params),
+                        processor=OutputProcessor(self.tokenizer, prompt, params, self.eos_token_ids,
+                                                  self.detokenize))
+
+    def _check_fits(self, prompt: list[int], params: SamplingParams) -> None:
+        if not prompt:
+            raise ValueError("prompt_token_ids must not be empty")
+        num_tokens = len(prompt) + params.max_tokens
+        if num_tokens > self.runner.max_model_len:
+            raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds "
+                             f"the model's context length {self.runner.max_model_len}")
+        if -(-num_tokens // self.layout.block_size) > self.block_manager.num_blocks:
+            raise ValueError(f"prompt + max_tokens ({num_tokens} tokens) exceeds the KV pool "
+                             f"({self.block_manager.num_blocks} blocks of {self.layout.block_size})")
+
+    def abort_request(self, request_id: str) -> bool:
+        """End a request now, freeing its blocks; the next `step()` reports it. False if unknown."""
+        with self._lock:
+            seq = self.requests.get(request_id)
+            if seq is None:
+                return False
+            self._finish(seq, "abort")
+            self._pending.append(self._output(seq, []))
+            return True
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        del self.requests[seq.request_id]
+        if seq.kv_sink is not None:  # its KV never went out completely
+            seq.kv_sink.on_abort(reason)
+            seq.kv_sink = None
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests or self._pending)
+
+    # -- stepping --------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Advance every schedulable request by one step; report those that produced or ended."""
+        with self._lock:
+            start_time, t0 = time.time(), time.perf_counter()
+            outputs, self._pending = self._pending, []
+            batch = self.scheduler.schedule()
+            if batch:
+                logits = self.runner.run(batch, self._exports(batch))
+                sampling = [s for s in batch if s.needs_sample]
+                token_ids = self.sampler(logits, [self._sampling_row(s.seq) for s in sampling])
+                for s in batch:
+                    s.seq.num_computed_tokens = s.end
+                    self.block_manager.cache_full_blocks(s.seq)
+                outputs += [self._append_token(s.seq, t) for s, t in zip(sampling, token_ids)]
+            self._record_step(batch, start_time, time.perf_counter() - t0)
+            return outputs
+
+    def _exports(self, batch: list[ScheduledSeq]) -> list[KVExport]:
+        """Sinks of requests whose prompt completes this step, with the blocks to send."""
+        block_size = self.layout.block_size
+        return [KVExport(s.seq.kv_sink, s.seq.block_ids[s.seq.kv_sink.start_block:-(-s.end // block_size)])
+                for s in batch
+                if s.seq.kv_sink is not None and s.needs_sample and not s.seq.output_token_ids]
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        return SamplingRow(seq.params, seq.seed, len(seq.output_token_ids), self.eos_token_ids)
+
+    def _append_token(self, seq: Sequence, token_id: int) -> RequestOutput:
+        seq.output_token_ids.append(token_id)
+        if seq.kv_sink is not None and len(seq.output_token_ids) == 1:
+            seq.kv_sink.on_complete(token_id)
+            seq.kv_sink = None
+        finish_reason, text = seq.processor.append(token_id)
+        if finish_reason is not None:
+            self._finish(seq, finish_reason)
+        return self._output(seq, [token_id], text)
+
+    def _output(self, seq: Sequence, new_token_ids: list[int], text: str = "") -> RequestOutput:
+        return RequestOutput(seq.request_id, new_token_ids, list(seq.output_token_ids), seq.is_finished,
+                             seq.finish_reason, text, seq.prompt_token_ids, seq.num_cached_tokens)
+
+    def _record_step(self, batch: list[ScheduledSeq], start_time: float, step_time_s: float) -> None:
+        num_decode = sum(1 for s in batch if s.num_new_tokens == 1 and s.start >= s.seq.num_prompt_tokens)
+        self.step_records.append(StepRecord(
+            start_time=start_time, step_time_s=step_time_s,
+            num_prefill_tokens=sum(s.num_new_tokens for s in batch) - num_decode,
+            num_decode_seqs=num_decode, num_context_tokens=sum(s.end for s in batch),
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting)))
+
+    def generate(self, prompts: list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run `prompts` to completion; final outputs in input order (`.token_ids` = generated ids)."""
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        ids = [f"generate-{id(self)}-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for request_id, prompt, p in zip(ids, prompts, params_list):
+            self.add_request(request_id, prompt, p)
+        wanted, final = set(ids), {}
+        while len(final) < len(ids):
+            final.update((o.request_id, o) for o in self.step() if o.finished and o.request_id in wanted)
+        return [final[i] for i in ids]
+
+    # -- KV import (decode side) --------------------------------------------------------------
+
+    def reserve_kv(self, transfer_id: str, prompt_token_ids: Seq[int]) -> KVReservation | None:
+        """Hold blocks for a prompt's incoming KV; None when the pool has no room now.
+
+        Leading blocks the prefix cache already holds are reused (`num_cached_blocks`) and
+        need not be sent; the hit is capped like a local one, so at least the block with
+        the last prompt token is always received.
+        """
+        with self._lock:
+            if transfer_id in self.reservations:
+                raise ValueError(f"transfer id {transfer_id!r} is already reserved")
+            prompt = [int(t) for t in prompt_token_ids]
+            seq = Sequence(transfer_id, prompt, SamplingParams(), seed=0)
+            num_hit_tokens = self.block_manager.match_prefix(seq)
+            if not self.block_manager.allocate(seq, len(prompt)):
+                self.block_manager.free(seq)
+                return None
+            self.block_manager.record_query(len(prompt), num_hit_tokens)
+            self.reservations[transfer_id] = seq
+            return KVReservation(transfer_id, prompt, list(seq.block_ids),
+                                 num_hit_tokens // self.layout.block_size, self.layout)
+
+    def write_kv_layer(self, reservation: KVReservation, layer_idx: int, kv: torch.Tensor) -> None:
+        """Copy one received layer (`layout.layer_shape(num_blocks_to_receive)`) into its blocks.
+
+        Safe from a transport thread while `step()` runs: it touches only reserved blocks,
+        which no running sequence reads or writes.
+        """
+        if reservation.transfer_id not in self.reservations:
+            raise KeyError(f"transfer {reservation.transfer_id!r} is not reserved (cancelled?)")
+        self.runner.kv_cache.write_blocks(layer_idx, reservation.block_ids[reservation.num_cached_blocks:], kv)
+        reservation.layers_written.add(layer_idx)
+
+    def commit_kv(self, reservation: KVReservation, request_id: str, params: SamplingParams,
+                  first_token_id: int, *, seed: int | None = None) -> None:
+        """Turn a fully written reservation into a request that decodes as if prefilled here.
+
+        `first_token_id` (sampled by the prefill worker) becomes output token 0; it is not
+        reported again as a new token, and its text is left to whoever reported it.
+        """
+        with self._lock:
+            missing = set(range(self.layout.num_layers)) - reservation.layers_written
+            if missing and reservation.num_blocks_to_receive:
+                raise ValueError(f"transfer {reservation.transfer_id!r}: layers {sorted(missing)} not written")
+            held = self.reservations.pop(reservation.transfer_id)
+            seq = self._new_sequence(request_id, held.prompt_token_ids, params, seed)
+            seq.block_ids, seq.num_hashed_blocks = held.block_ids, held.num_hashed_blocks
+            seq.num_computed_tokens = seq.num_prompt_tokens
+            seq.num_cached_tokens = held.num_cached_tokens
+            self.block_manager.cache_full_blocks(seq)
+            self.requests[request_id] = seq
+            self.scheduler.add(seq)
+            seq.output_token_ids.append(int(first_token_id))
+            finish_reason, _ = seq.processor.append(int(first_token_id))
+            if finish_reason is not None:
+                self._finish(seq, finish_reason)
+                self._pending.append(self._output(seq, []))
+
+    def cancel_kv(self, reservation: KVReservation) -> None:
+        """Free a reservation's blocks (transfer failed or was abandoned); idempotent."""
+        with self._lock:
+            held = self.reservations.pop(reservation.transfer_id, None)
+            if held is not None:
+                self.block_manager.free(held)
+
+    # -- introspection -------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        """Counters; prefix_cache_queries and prefix_cache_hits are both in TOKENS."""
+        return {
+            "prefix_cache_queries": self.block_manager.num_queried_tokens,
+            "prefix_cache_hits": self.block_manager.num_hit_tokens,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "kv_blocks_free": self.block_manager.num_free_blocks,
+            "kv_blocks_total": self.block_manager.num_blocks,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+        }
+
+    def check_integrity(self) -> None:
+        """Assert no block is leaked or double-freed and every request is where it should be."""
+        with self._lock:
+            queued = self.scheduler.running + self.scheduler.waiting
+            assert {s.request_id for s in queued} == set(self.requests), "requests and queues disagree"
+            assert len(queued) == len(self.requests), "a request is queued twice"
+            tables = [s.block_ids for s in queued] + [r.block_ids for r in self.reservations.values()]
+            self.block_manager.check_integrity(tables)

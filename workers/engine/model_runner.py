@@ -1,0 +1,81 @@
+"""Runs one scheduled step through the real transformers model on the paged cache.
+
+All scheduled tokens are packed into one row (batch dim 1) with explicit `position_ids`;
+`use_cache=False` keeps transformers' DynamicCache out, the paged attention function
+reads and writes our own cache, and only the last token of each sequence that samples
+this step goes through `lm_head`.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from workers.engine.attention import AttentionBackend, AttentionMetadata, KVExport, register_paged_attention
+from workers.engine.kv_cache import KVCache, auto_num_blocks, layout_from_config
+from workers.engine.scheduler import ScheduledSeq
+from workers.engine.sdpa_backend import SdpaBackend
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    resolved = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if resolved not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    return resolved
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str, device: torch.device, dtype: torch.dtype, block_size: int,
+                 num_kv_blocks: int | None, gpu_memory_fraction: float, cpu_kv_bytes: int,
+                 backend: AttentionBackend | None = None) -> None:
+        self.device = device
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+        self.model.config._attn_implementation = register_paged_attention()
+        self.config = self.model.config
+        self.layout = layout_from_config(self.config, block_size, dtype)
+        num_blocks = num_kv_blocks or auto_num_blocks(self.layout, device, gpu_memory_fraction, cpu_kv_bytes)
+        self.kv_cache = KVCache(self.layout, num_blocks, device)
+        self.backend = backend or SdpaBackend()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_position_embeddings
+
+    @torch.inference_mode()
+    def run(self, batch: list[ScheduledSeq], exports: list[KVExport]) -> torch.Tensor:
+        """Compute `batch`; returns float32 logits `[num_sampling_seqs, vocab]` in batch order."""
+        meta = self._metadata(batch, exports)
+        self.backend.prepare(meta)
+        positions = torch.cat([torch.arange(s.start, s.end) for s in batch]).to(self.device)
+        input_ids = torch.tensor([t for s in batch for t in s.seq.token_ids[s.start:s.end]],
+                                 dtype=torch.long, device=self.device)
+        out = self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
+                         logits_to_keep=self._sample_positions(batch), attn_metadata=meta)
+        return out.logits[0].float()
+
+    def _metadata(self, batch: list[ScheduledSeq], exports: list[KVExport]) -> AttentionMetadata:
+        query_lens = [s.num_new_tokens for s in batch]
+        starts = [sum(query_lens[:i]) for i in range(len(batch))]
+        return AttentionMetadata(
+            kv_cache=self.kv_cache, backend=self.backend,
+            slot_mapping=self._slot_mapping(batch),
+            query_start_locs=starts, query_lens=query_lens,
+            context_lens=[s.end for s in batch],
+            block_tables=[s.seq.block_ids for s in batch],
+            exports=exports,
+        )
+
+    def _slot_mapping(self, batch: list[ScheduledSeq]) -> torch.Tensor:
+        block_size = self.layout.block_size
+        slots = [s.seq.block_ids[pos // block_size] * block_size + pos % block_size
+                 for s in batch for pos in range(s.start, s.end)]
+        return torch.tensor(slots, dtype=torch.long, device=self.device)
+
+    def _sample_positions(self, batch: list[ScheduledSeq]) -> torch.Tensor:
+        """Packed index of the last token of every sequence that samples this step."""
+        ends, total = [], 0
+        for s in batch:
+            total += s.num_new_tokens
+            if s.needs_sample:
+                ends.append(total - 1)
+        return torch.tensor(ends, dtype=torch.long, device=self.device)

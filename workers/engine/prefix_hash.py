@@ -1,0 +1,33 @@
+"""Chained hashes of full KV blocks: the identity of a cached prefix.
+
+Prefill and decode engines on different machines, and the router, must agree on these
+numbers without talking to each other, so the hash is a fixed function of the token ids
+(blake2b over little-endian int64s) and never Python's per-process salted `hash`.
+Each block's hash covers its parent's hash, so equal hashes mean equal whole prefixes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+ROOT_HASH = 0  # the parent of the first block
+
+
+def hash_block(parent_hash: int, block_token_ids: Sequence[int]) -> int:
+    """The hash of one full block given the hash of the block before it."""
+    blob = struct.pack(f"<Q{len(block_token_ids)}q", parent_hash, *block_token_ids)
+    return int.from_bytes(hashlib.blake2b(blob, digest_size=8).digest(), "little")
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Hashes of every FULL block of `token_ids`, in order; a partial tail is left out."""
+    if block_size < 1:
+        raise ValueError("block_size must be at least 1")
+    hashes: list[int] = []
+    parent = ROOT_HASH
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start:start + block_size])
+        hashes.append(parent)
+    return hashes

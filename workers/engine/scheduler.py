@@ -1,0 +1,126 @@
+"""Continuous batching under one token budget per step (the vLLM v1 idea).
+
+No prefill or decode phases: every step walks the running sequences in priority order
+and lets each catch `num_computed_tokens` up towards `num_tokens` (one token for a
+decoding sequence, a chunk for a prefilling one) until `max_num_batched_tokens` is
+spent; leftover budget admits waiting sequences. When blocks run out, the running
+sequence that sorts last (lowest priority, latest arrival) is preempted: its blocks are
+freed and it is recomputed later, its prefix most likely served by the prefix cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from workers.engine.block_manager import BlockManager
+from workers.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # computed this step, starting at seq.num_computed_tokens
+
+    @property
+    def start(self) -> int:
+        return self.seq.num_computed_tokens
+
+    @property
+    def end(self) -> int:
+        return self.seq.num_computed_tokens + self.num_new_tokens
+
+    @property
+    def needs_sample(self) -> bool:
+        """True when this step computes the sequence's last token, so it yields logits."""
+        return self.end == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.max_num_batched_tokens
+        scheduled, preempted = self._schedule_running(budget)
+        budget -= sum(s.num_new_tokens for s in scheduled)
+        if not preempted:  # admitting now would only preempt someone again next step
+            scheduled += self._admit_waiting(budget)
+        return scheduled
+
+    def _schedule_running(self, budget: int) -> tuple[list[ScheduledSeq], bool]:
+        self.running.sort(key=lambda s: s.priority_key)
+        scheduled: list[ScheduledSeq] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            assert num_new > 0, f"running sequence {seq.request_id} has nothing to compute"
+            while not self.block_manager.allocate(seq, seq.num_computed_tokens + num_new):
+                victim = self.running[-1]  # sorts last: lowest priority, latest arrival
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                scheduled.append(ScheduledSeq(seq, num_new))
+                budget -= num_new
+                i += 1
+        return scheduled, preempted
+
+    def _admit_waiting(self, budget: int) -> list[ScheduledSeq]:
+        self.waiting.sort(key=lambda s: s.priority_key)
+        scheduled: list[ScheduledSeq] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            is_fresh = not seq.block_ids  # imported KV arrives holding its blocks already
+            if is_fresh:
+                self.block_manager.match_prefix(seq)
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if not self.block_manager.allocate(seq, seq.num_computed_tokens + num_new):
+                if is_fresh:
+                    self._release(seq)
+                break
+            if is_fresh:
+                self.block_manager.record_query(seq.num_tokens, seq.num_cached_tokens)
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+        return scheduled
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        self.num_preemptions += 1
+        self.add(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End `seq` now, from any state, and free its blocks at once."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def held_block_tables(self) -> list[list[int]]:
+        return [s.block_ids for s in self.running + self.waiting]
