@@ -1,0 +1,100 @@
+"""The typed config: defaults, YAML loading, errors that name the key, Serve options."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.config import ClusterConfig, ConfigError, load_config
+
+
+def test_defaults_are_the_no_config_serve():
+    cfg = load_config(None)
+    assert cfg.model.preset == "tiny" and cfg.model.path is None
+    assert cfg.prefill.num_replicas == 1 and cfg.decode.num_replicas == 1
+    assert cfg.prefill.num_gpus == 0 and cfg.decode.num_gpus == 0
+    assert cfg.workloads["default"].mode == "auto"
+    assert cfg.model.served_name == "tiny"
+
+
+def test_yaml_file_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "model: {preset: small}\n"
+        "decode: {num_replicas: 2, resources: {decode_node: 1}, num_gpus: 1}\n"
+        "workloads: {batch: {mode: disagg, allow_client_override: false}}\n"
+        "limits: {default_max_tokens: 32, max_tokens_limit: 64}\n"
+    )
+    cfg = load_config({"config_file": str(path), "decode": {"num_replicas": 3}})
+    assert cfg.model.preset == "small"
+    assert cfg.decode.num_replicas == 3 and cfg.decode.resources == {"decode_node": 1.0}
+    assert set(cfg.workloads) == {"batch", "default"}
+    assert cfg.workloads["batch"].mode == "disagg"
+    options = cfg.decode.deployment_options()
+    assert options["num_replicas"] == 3
+    assert options["ray_actor_options"]["resources"] == {"decode_node": 1.0}
+    assert options["ray_actor_options"]["num_gpus"] == 1
+    assert options["ray_actor_options"]["runtime_env"]["env_vars"]["OMP_NUM_THREADS"] == "1"
+
+
+@pytest.mark.parametrize(
+    ("data", "key"),
+    [
+        ({"prefill": {"num_replicas": -1}}, "prefill.num_replicas"),
+        ({"decode": {"replicas": 2}}, "decode.replicas"),
+        ({"workloads": {"x": {"mode": "sometimes"}}}, "workloads.x.mode"),
+        ({"limits": {"default_max_tokens": 10, "max_tokens_limit": 5}}, "limits"),
+        ({"router": {"port": 70000}}, "router.port"),
+        ({"bogus": 1}, "bogus"),
+        ({"model": {"workload": "nope"}}, "model.workload"),
+        ({"decode": {"autoscaling_config": {"min_replicas": "many"}}}, "decode.autoscaling_config"),
+        ({"decode": {"num_replicas": 2, "autoscaling_config": {"min_replicas": 1, "max_replicas": 2}}},
+         "decode"),
+    ],
+)
+def test_errors_name_the_key(data, key):
+    with pytest.raises(ConfigError) as info:
+        load_config(data)
+    assert f"config error at {key}" in str(info.value) or key in str(info.value)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="model.path"):
+        load_config({"model": {"path": str(tmp_path)}}).model.resolve_path()
+
+
+def test_autoscaling_replaces_replicas():
+    cfg = load_config({"decode": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 4}}})
+    options = cfg.decode.deployment_options()
+    assert "num_replicas" not in options and options["autoscaling_config"]["max_replicas"] == 4
+
+
+def test_round_trip_through_args():
+    cfg = load_config({"workloads": {"rag": {"min_remote_prefill_tokens": 8}}})
+    again = load_config(cfg.to_args())
+    assert again == cfg
+    assert isinstance(load_config(cfg), ClusterConfig)
+
+
+def test_secrets_from_file_or_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDC_ADMIN_TOKEN", "from-env")
+    cfg = load_config(None)
+    assert cfg.secrets.admin_token() == "from-env"
+    token_file = tmp_path / "token"
+    token_file.write_text("from-file\n")
+    cfg = load_config({"secrets": {"admin_token_file": str(token_file)}})
+    assert cfg.secrets.admin_token() == "from-file"
+    assert "from-file" not in repr(cfg) and "from-env" not in repr(cfg)
+    monkeypatch.delenv("PDC_ADMIN_TOKEN")
+    assert load_config(None).secrets.admin_token() is None
+
+
+def test_preset_is_made_once(tmp_path):
+    cfg = load_config({"model": {"cache_dir": str(tmp_path)}}).resolved()
+    assert (tmp_path / "tiny-seed0" / "config.json").exists()
+    assert cfg.model.path == str(tmp_path / "tiny-seed0")
