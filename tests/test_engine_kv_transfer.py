@@ -1,0 +1,145 @@
+"""KV export from a prefill engine, import into a decode engine: the continuation is
+exactly what one engine produces locally (greedy and seeded sampling alike)."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from tests.engine_support import greedy, make_engine, random_prompts  # noqa: F401
+from workers.engine import SamplingParams
+
+
+class CollectingSink:
+    """A KVSink that keeps what it is handed, as a transport's sender queue would."""
+
+    def __init__(self, start_block: int = 0) -> None:
+        self.start_block = start_block
+        self.layers: dict[int, torch.Tensor] = {}
+        self.first_token_id: int | None = None
+        self.abort_reason: str | None = None
+        self.events: list[str] = []
+
+    def on_layer(self, layer_idx: int, kv: torch.Tensor) -> None:
+        assert layer_idx not in self.layers, "a layer was sent twice"
+        self.layers[layer_idx] = kv
+        self.events.append(f"layer{layer_idx}")
+
+    def on_complete(self, first_token_id: int) -> None:
+        self.first_token_id = first_token_id
+        self.events.append("complete")
+
+    def on_abort(self, reason: str) -> None:
+        self.abort_reason = reason
+        self.events.append("abort")
+
+
+def prefill_remotely(prefill, prompt, params, seed, start_block=0) -> CollectingSink:
+    sink = CollectingSink(start_block)
+    prefill.add_request("p", prompt, SamplingParams(**{**params.__dict__, "max_tokens": 1}), kv_sink=sink, seed=seed)
+    while prefill.has_unfinished_requests():
+        prefill.step()
+    return sink
+
+
+def import_kv(decode, transfer_id, prompt, sink, reservation=None):
+    reservation = reservation or decode.reserve_kv(transfer_id, prompt)
+    for layer_idx, kv in sink.layers.items():
+        decode.write_kv_layer(reservation, layer_idx, kv)
+    return reservation
+
+
+def finish(engine, request_id):
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == request_id and out.finished:
+                final = out
+    return final
+
+
+def check_transfer(make_engine, prompt, params, seed=1234):
+    local = make_engine().generate([prompt], SamplingParams(**{**params.__dict__, "seed": seed}))[0].token_ids
+    prefill, decode = make_engine(), make_engine()
+    sink = prefill_remotely(prefill, prompt, params, seed)
+    layout = prefill.layout
+    assert sink.events == [f"layer{i}" for i in range(layout.num_layers)] + ["complete"]
+    num_blocks = -(-len(prompt) // layout.block_size)  # includes the block with the last prompt token
+    assert all(tuple(kv.shape) == layout.layer_shape(num_blocks) for kv in sink.layers.values())
+    assert sink.first_token_id == local[0]
+
+    reservation = import_kv(decode, "t1", prompt, sink)
+    assert reservation.layout == layout and reservation.num_cached_blocks == 0
+    decode.commit_kv(reservation, "d", params, sink.first_token_id, seed=seed)
+    assert finish(decode, "d").token_ids == local
+    return local
+
+
+def test_greedy_continuation_after_import_matches_local(make_engine):
+    for n in (1, 16, 33):
+        prompt = random_prompts([n], seed=n)[0]
+        check_transfer(make_engine, prompt, greedy(12, ignore_eos=True))
+
+
+def test_seeded_sampling_continues_identically_across_engines(make_engine):
+    prompt = random_prompts([40], seed=7)[0]
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_k=50, ignore_eos=True)
+    assert len(set(check_transfer(make_engine, prompt, params))) > 3
+
+
+def test_import_reuses_decode_prefix_cache_and_skips_cached_blocks(make_engine):
+    prompt = random_prompts([70], seed=3)[0]
+    params = greedy(10, ignore_eos=True)
+    local = make_engine().generate([prompt], params)[0].token_ids
+    prefill, decode = make_engine(), make_engine()
+    decode.generate([prompt[:40] + [1, 2, 3]], greedy(1))  # caches 2 blocks of the prefix
+
+    reservation = decode.reserve_kv("t", prompt)
+    assert reservation.num_cached_blocks == 2 and reservation.num_blocks_to_receive == 3
+    sink = prefill_remotely(prefill, prompt, params, seed=0, start_block=reservation.num_cached_blocks)
+    assert all(kv.shape[1] == 3 for kv in sink.layers.values())
+    import_kv(decode, "t", prompt, sink, reservation)
+    decode.commit_kv(reservation, "d", params, sink.first_token_id)
+    assert finish(decode, "d").token_ids == local
+
+
+def test_layers_written_from_another_thread_while_the_engine_steps(make_engine):
+    prompt = random_prompts([50], seed=5)[0]
+    params = greedy(8, ignore_eos=True)
+    local = make_engine().generate([prompt], params)[0].token_ids
+    prefill, decode = make_engine(), make_engine()
+    sink = prefill_remotely(prefill, prompt, params, seed=0)
+    reservation = decode.reserve_kv("t", prompt)
+    decode.add_request("busy", random_prompts([64], seed=9)[0], greedy(30, ignore_eos=True))
+    writer = threading.Thread(target=import_kv, args=(decode, "t", prompt, sink, reservation))
+    writer.start()
+    while writer.is_alive():
+        decode.step()
+    writer.join()
+    decode.commit_kv(reservation, "d", params, sink.first_token_id)
+    assert finish(decode, "d").token_ids == local
+
+
+def test_cancel_frees_the_reservation_and_a_full_pool_refuses(make_engine):
+    decode = make_engine(num_kv_blocks=8)
+    prompt = random_prompts([100], seed=4)[0]  # 7 blocks
+    reservation = decode.reserve_kv("a", prompt)
+    assert decode.stats()["kv_blocks_free"] == 1
+    assert decode.reserve_kv("b", prompt) is None
+    decode.check_integrity()
+    decode.cancel_kv(reservation)
+    decode.cancel_kv(reservation)
+    assert decode.stats()["kv_blocks_free"] == 8
+
+
+def test_abort_before_the_prompt_completes_tells_the_sink(make_engine):
+    prefill = make_engine(max_num_batched_tokens=16)
+    sink = CollectingSink()
+    prefill.add_request("p", random_prompts([64], seed=6)[0], greedy(1), kv_sink=sink)
+    prefill.step()  # one chunk of four
+    assert prefill.abort_request("p")
+    assert sink.events == ["abort"] and sink.abort_reason == "abort"
+    assert prefill.stats()["kv_blocks_free"] == prefill.stats()["kv_blocks_total"]
+    assert [o.finish_reason for o in prefill.step()] == ["abort"]
+    assert not prefill.has_unfinished_requests()
