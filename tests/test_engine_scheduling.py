@@ -1,0 +1,105 @@
+"""Priority, preemption order, abort, and limits of the scheduler, on the real engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engine_support import greedy, make_engine, random_prompts  # noqa: F401
+from workers.engine import SamplingParams
+
+
+def finish_order(engine) -> list[str]:
+    order = []
+    while engine.has_unfinished_requests():
+        order += [o.request_id for o in engine.step() if o.finished]
+    return order
+
+
+def test_higher_priority_is_admitted_first_fcfs_within_a_priority(make_engine):
+    engine = make_engine(max_num_seqs=1)
+    for request_id, priority in [("low", 0), ("high-1", 5), ("mid", 2), ("high-2", 5)]:
+        engine.add_request(request_id, random_prompts([20])[0], greedy(3, priority=priority, ignore_eos=True))
+    assert finish_order(engine) == ["high-1", "high-2", "mid", "low"]
+
+
+def test_lowest_priority_is_preempted_when_blocks_run_out(make_engine):
+    engine = make_engine(num_kv_blocks=10, block_size=4)  # 40 slots for two sequences of ~25 tokens each
+    engine.add_request("important", random_prompts([12], seed=1)[0], greedy(20, priority=1, ignore_eos=True))
+    engine.add_request("background", random_prompts([12], seed=2)[0], greedy(20, ignore_eos=True))
+    while engine.stats()["num_preemptions"] == 0:
+        engine.step()
+        engine.check_integrity()
+    assert [s.request_id for s in engine.scheduler.running] == ["important"]
+    assert [s.request_id for s in engine.scheduler.waiting] == ["background"]
+    assert finish_order(engine) == ["important", "background"]
+
+
+def test_abort_frees_blocks_at_once_in_every_state(make_engine):
+    engine = make_engine(max_num_seqs=1, enable_prefix_caching=False)
+    engine.add_request("running", random_prompts([40])[0], greedy(50, ignore_eos=True))
+    engine.add_request("waiting", random_prompts([40])[0], greedy(50, ignore_eos=True))
+    engine.step()
+    engine.step()
+    total = engine.stats()["kv_blocks_total"]
+    assert engine.stats()["kv_blocks_free"] == total - 3
+    assert engine.abort_request("running")
+    assert engine.stats()["kv_blocks_free"] == total
+    assert engine.abort_request("waiting") and not engine.abort_request("unknown")
+    engine.check_integrity()
+    outs = engine.step()
+    assert {(o.request_id, o.finish_reason, o.finished) for o in outs} == {
+        ("running", "abort", True), ("waiting", "abort", True)}
+    assert len(next(o for o in outs if o.request_id == "running").token_ids) == 2
+    assert not engine.has_unfinished_requests()
+
+
+def test_stream_of_step_outputs_reports_each_token_once(make_engine):
+    engine = make_engine()
+    engine.add_request("a", random_prompts([10])[0], greedy(6, ignore_eos=True))
+    new_ids, last = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            new_ids += out.new_token_ids
+            last = out
+    assert last.finished and last.finish_reason == "length" and new_ids == last.token_ids
+
+
+def test_stop_token_ends_the_request_and_is_kept(make_engine):
+    prompt = random_prompts([2])[0]
+    tokens = make_engine().generate([prompt], greedy(24))[0].token_ids
+    stop_id = tokens[5]
+    out = make_engine().generate([prompt], greedy(24, stop_token_ids=[stop_id]))[0]
+    assert out.finish_reason == "stop" and out.token_ids == tokens[:tokens.index(stop_id) + 1]
+
+
+def test_requests_that_cannot_fit_are_refused_up_front(make_engine):
+    engine = make_engine(num_kv_blocks=4)
+    with pytest.raises(ValueError, match="KV pool"):
+        engine.add_request("big", random_prompts([60])[0], greedy(10))
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("empty", [], greedy(1))
+    engine.add_request("dup", [1, 2], greedy(1))
+    with pytest.raises(ValueError, match="already"):
+        engine.add_request("dup", [1, 2], greedy(1))
+    finish_order(engine)
+
+
+def test_stats_and_step_records(make_engine):
+    engine = make_engine(max_num_batched_tokens=32)
+    engine.generate(random_prompts([50, 3]), [greedy(4, ignore_eos=True), greedy(4, ignore_eos=True)])
+    stats = engine.stats()
+    assert {"prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "kv_blocks_free",
+            "kv_blocks_total", "num_running", "num_waiting"} <= stats.keys()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] == 512
+    records = list(engine.step_records)
+    assert sum(r.num_prefill_tokens for r in records) == 53
+    assert sum(r.num_decode_seqs for r in records) == 6  # 3 decode steps after each first token
+    assert all(r.step_time_s > 0 for r in records)
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(make_engine):
+    prompts = random_prompts([5, 30, 17], seed=11)
+    params = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=42, ignore_eos=True)
+    alone = make_engine().generate(prompts[:1], params)[0].token_ids
+    batched = make_engine(max_num_batched_tokens=8).generate(prompts, params)[0].token_ids
+    assert alone == batched
