@@ -1,0 +1,136 @@
+"""The Python API: `run_loadtest(config) -> Summary` (what `pdcluster loadtest` runs) and
+the pieces the sweep and the distributed runner share."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import platform
+import secrets
+import sys
+import time
+from dataclasses import dataclass
+
+from cluster.loadtest.client import Caps, RequestRecord, Target, fetch_models, make_http_client, probe
+from cluster.loadtest.config import LoadTestConfig
+from cluster.loadtest.metrics import Summary, schedule_lag_ms, summarize
+from cluster.loadtest.runner import OnRecord, Plan, build_plan, execute
+
+
+@dataclass
+class Session:
+    """What the run learned from the server before sending load."""
+
+    target: Target
+    caps: Caps
+    models: dict | None
+
+
+def make_target(config: LoadTestConfig, model: str | None) -> Target:
+    return Target(config.url, config.endpoint, model, config.request_headers(), config.stream,
+                  config.timeout_s, run_id=secrets.token_hex(3) + "-")
+
+
+def open_session(config: LoadTestConfig) -> Session:
+    """Fetch `/v1/models` (its first id is the default model) and probe the request form."""
+
+    async def go() -> Session:
+        async with make_http_client() as http:
+            models = await fetch_models(http, config.url, config.request_headers())
+            model = config.model or _first_model_id(models)
+            target = make_target(config, model)
+            if config.prompt_format == "text" and config.endpoint == "chat":
+                caps = Caps(False, False)
+            else:
+                caps = await probe(http, target, config.prompt_format)
+            return Session(target, caps, models)
+
+    return asyncio.run(go())
+
+
+def _first_model_id(models: dict | None) -> str | None:
+    try:
+        return models["data"][0]["id"]
+    except (TypeError, KeyError, IndexError):
+        return None
+
+
+def run_plan(config: LoadTestConfig, session: Session, plan: Plan, on_record: OnRecord | None = None) -> list[RequestRecord]:
+    """Run one plan, in this process or over `config.clients` Ray actors."""
+    if config.clients > 1:
+        from cluster.loadtest.distributed import run_distributed
+
+        return run_distributed(plan, session.target, session.caps, config.clients, on_record)
+    base = time.perf_counter() + 0.05  # a moment to set up before time 0
+    return asyncio.run(execute(plan, session.target, session.caps, base, on_record=on_record))
+
+
+def environment(config: LoadTestConfig, session: Session, plan: Plan | None, records: list[RequestRecord]) -> dict:
+    """What a reader needs to reproduce the run. Header values are left out (API keys)."""
+    import httpx
+
+    return {
+        "target": config.url,
+        "endpoint": config.endpoint,
+        "model": session.target.model,
+        "workload": config.workload,
+        "seed": config.seed,
+        "load": config.describe_shape(),
+        "num_requests": config.effective_num_requests,
+        "duration_limit_s": config.duration_s,
+        "mode": config.mode,
+        "clients": config.clients,
+        "stream": config.stream,
+        "prompt_format": "token_ids" if session.caps.token_ids else "text",
+        "exact_output_len": session.caps.extensions,
+        "header_names": sorted(config.request_headers()),
+        "schedule_lag_ms": schedule_lag_ms(records),
+        "server_models": session.models,
+        "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "versions": {"python": platform.python_version(), "pdcluster": _version("pdcluster"),
+                     "httpx": httpx.__version__, "ray": _version("ray")},
+        "argv": sys.argv if sys.argv and sys.argv[0].endswith("pdcluster") else None,
+    }
+
+
+def _version(name: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def run_loadtest(config: LoadTestConfig, on_record: OnRecord | None = None) -> Summary:
+    """Run the load test `config` describes; write its report to `config.out_dir` if set.
+    A sweep returns the summary of the highest rate meeting the SLO (else its last rate),
+    with the whole sweep in `env["sweep"]`."""
+    if config.sweep:
+        from cluster.loadtest.sweep import run_sweep
+
+        return run_sweep(config)
+    session = open_session(config)
+    plan = build_plan(config)
+    progress = None
+    if config.progress and on_record is None:
+        from cluster.loadtest.report import LiveProgress
+
+        progress = LiveProgress(_expected_count(config, plan), config.duration_s)
+        on_record = progress.update
+    try:
+        records = run_plan(config, session, plan, on_record)
+    finally:
+        if progress is not None:
+            progress.close()
+    summary = summarize(records, config.slo, plan.target_rate, environment(config, session, plan, records))
+    if config.out_dir is not None:
+        from cluster.loadtest.report import write_report
+
+        write_report(config.out_dir, summary, records, plots=config.plots)
+    return summary
+
+
+def _expected_count(config: LoadTestConfig, plan: Plan) -> int | None:
+    return len(plan.specs) if plan.specs is not None else plan.num_requests
