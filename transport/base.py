@@ -1,0 +1,239 @@
+"""The KV transport contract: a sender on the prefill side, a receiver on the decode side.
+
+One transfer moves one request's prompt KV, layer by layer, from a prefill engine into
+blocks a decode engine reserved for it. It is keyed by a `transfer_id` the router chose
+(from the request's `x-request-id` plus a nonce), never by an engine-local id, so both
+sides always agree on which transfer a message belongs to.
+
+The flow the cluster runs:
+
+    D: res = engine.reserve_kv(transfer_id, prompt_token_ids)
+    D: receiver.expect(transfer_id, res, timeout)       -> router gets receiver.address
+    P: sink = sender.open(transfer_id, address, engine.layout, start_block=res.num_cached_blocks)
+    P: engine.add_request(..., kv_sink=sink)             # engine calls sink.on_layer/on_complete
+    D: first_token_id = await receiver.wait_async(transfer_id)   # or raises TransferError
+    D: engine.commit_kv(res, ...)                        # on success; on error the receiver
+                                                         # has already cancelled `res`
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import ClassVar, Protocol
+
+import torch
+
+from workers.engine.kv_types import KVLayout, KVReservation
+
+
+class TransferError(Exception):
+    """A transfer failed. `kind` names the class on the wire and in metrics; `reason`
+    is the finer cause (e.g. "fingerprint" for a rejection)."""
+
+    kind: ClassVar[str] = "error"
+
+    def __init__(self, message: str, reason: str | None = None, transfer_id: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason or self.kind
+        self.transfer_id = transfer_id
+
+
+class TransferTimeout(TransferError):
+    """No completion within the configured time (peer silent, dead, or unreachable)."""
+
+    kind = "timeout"
+
+
+class TransferAuthError(TransferError):
+    """A header's MAC did not verify: the peer does not hold our key, or it was tampered."""
+
+    kind = "auth"
+
+
+class TransferCorrupt(TransferError):
+    """A payload did not match the checksum in its authenticated header, or was malformed."""
+
+    kind = "corrupt"
+
+
+class TransferRejected(TransferError):
+    """A well-formed message the receiver will not accept: unknown or replayed transfer id,
+    wrong fingerprint, protocol version or dtype, shapes beyond the receiver's bounds."""
+
+    kind = "rejected"
+
+
+class TransferAborted(TransferError):
+    """The other side gave up on purpose (prefill aborted, decode cancelled, shutdown)."""
+
+    kind = "aborted"
+
+
+class PeerGone(TransferError):
+    """The connection to the peer was lost mid-transfer."""
+
+    kind = "peer_gone"
+
+
+ERROR_KINDS: dict[str, type[TransferError]] = {
+    cls.kind: cls
+    for cls in (TransferError, TransferTimeout, TransferAuthError, TransferCorrupt,
+                TransferRejected, TransferAborted, PeerGone)
+}
+
+
+def error_from_wire(kind: str, message: str, reason: str, transfer_id: str) -> TransferError:
+    """Rebuild an error the peer reported; unknown kinds become the base class."""
+    return ERROR_KINDS.get(kind, TransferError)(message, reason, transfer_id)
+
+
+class KVTarget(Protocol):
+    """What a receiver writes into: the decode engine (`LLMEngine`) or a test double.
+
+    `write_kv_layer` copies `kv` (shape `layout.layer_shape(res.num_blocks_to_receive)`)
+    into the reserved blocks `[num_cached_blocks:]`; it is called from transport threads
+    and must be thread-safe with the engine's step. `cancel_kv` frees the reservation.
+    """
+
+    @property
+    def layout(self) -> KVLayout: ...
+
+    def write_kv_layer(self, res: KVReservation, layer_idx: int, kv: torch.Tensor) -> None: ...
+
+    def cancel_kv(self, res: KVReservation) -> None: ...
+
+
+class KVReceiver(ABC):
+    """Decode side. Accepts only transfers announced with `expect`, from authenticated peers.
+
+    Contract:
+    - `expect` registers a reservation; if the transfer is not complete within `timeout`
+      (default: the configured reservation TTL) it fails with `TransferTimeout`.
+    - Whenever a transfer fails for any reason the receiver calls `target.cancel_kv(res)`
+      exactly once, before `wait` raises; the caller must not cancel it again.
+    - When `wait` returns the first token id, every layer has been written, and the caller
+      owns the reservation (commit it, or cancel it through the engine).
+    - Bad messages are rejected and counted in `metrics`; they never stop the receiver.
+    """
+
+    backend: ClassVar[str]
+
+    @property
+    @abstractmethod
+    def address(self) -> str:
+        """Advertised address the router hands to prefill senders (never a guessed localhost)."""
+
+    @abstractmethod
+    def expect(self, transfer_id: str, reservation: KVReservation,
+               timeout: float | None = None) -> None:
+        """Announce a transfer; raises `ValueError` if the id is pending or recently used."""
+
+    @abstractmethod
+    def future(self, transfer_id: str) -> Future[int]:
+        """The transfer's result: the first token id, or a `TransferError`."""
+
+    def wait(self, transfer_id: str, timeout: float | None = None) -> int:
+        """Block until the transfer completes; returns the first token id.
+
+        A `timeout` shorter than the reservation's fails the transfer when it elapses."""
+        fut = self.future(transfer_id)
+        try:
+            return fut.result(timeout)
+        except FutureTimeout:
+            self.cancel(transfer_id, TransferTimeout(
+                f"transfer {transfer_id} not complete within {timeout}s", transfer_id=transfer_id))
+            return fut.result(0)
+
+    async def wait_async(self, transfer_id: str, timeout: float | None = None) -> int:
+        """`wait` for asyncio callers; no thread is held while waiting."""
+        fut = asyncio.wrap_future(self.future(transfer_id))
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except asyncio.TimeoutError:
+            self.cancel(transfer_id, TransferTimeout(
+                f"transfer {transfer_id} not complete within {timeout}s", transfer_id=transfer_id))
+            return await fut
+
+    @abstractmethod
+    def cancel(self, transfer_id: str, error: TransferError | None = None) -> None:
+        """Fail a pending transfer (cancelling its reservation); no-op if already finished."""
+
+    @abstractmethod
+    def pending_ids(self) -> list[str]:
+        """Transfers expected and not yet finished."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Fail every pending transfer with `TransferAborted` and release sockets/threads."""
+
+
+class SenderSink(ABC):
+    """A `KVSink` for one transfer, plus a way to learn how it ended.
+
+    Engine-facing methods return at once (work is queued to a sender thread). The result
+    resolves to None when the receiver acknowledged every layer, or to a `TransferError`.
+    """
+
+    def __init__(self, transfer_id: str, layout: KVLayout, start_block: int) -> None:
+        self.transfer_id = transfer_id
+        self.layout = layout
+        self.start_block = start_block
+        self.result: Future[None] = Future()
+
+    @abstractmethod
+    def on_layer(self, layer_idx: int, kv: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def on_complete(self, first_token_id: int) -> None: ...
+
+    @abstractmethod
+    def on_abort(self, reason: str) -> None: ...
+
+    @property
+    def done(self) -> bool:
+        return self.result.done()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until acknowledged; raises the `TransferError` if it failed."""
+        self.result.result(timeout)
+
+    async def wait_async(self) -> None:
+        await asyncio.wrap_future(self.result)
+
+    def fail(self, error: TransferError) -> bool:
+        """Resolve with `error` unless already resolved; True if this call resolved it."""
+        if self.result.done():
+            return False
+        try:
+            self.result.set_exception(error)
+            return True
+        except Exception:  # noqa: BLE001 - lost a race with another resolver
+            return False
+
+    def succeed(self) -> bool:
+        if self.result.done():
+            return False
+        try:
+            self.result.set_result(None)
+            return True
+        except Exception:  # noqa: BLE001
+            return False
+
+
+class KVSender(ABC):
+    """Prefill side. One connection per peer, reused across transfers."""
+
+    backend: ClassVar[str]
+
+    @abstractmethod
+    def open(self, transfer_id: str, peer_address: str, layout: KVLayout,
+             start_block: int = 0, timeout: float | None = None) -> SenderSink:
+        """A sink to pass to `engine.add_request(kv_sink=...)`. `timeout` (default the
+        configured transfer timeout) bounds the whole transfer, acknowledgement included."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Fail open sinks with `TransferAborted`; close connections."""

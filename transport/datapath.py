@@ -1,0 +1,109 @@
+"""Data paths: how one LAYER message's bytes travel once its header is on the ZMQ socket.
+
+The control plane (headers, acks) is always ZMQ; a data path moves the payload. Each has a
+sending half (one per peer connection, used only by that connection's thread) and a
+receiving half (one per receiver, used by the thread that handles that peer).
+`inline` (this file) sends the bytes as ZMQ frames straight from tensor memory.
+"""
+
+from __future__ import annotations
+
+import warnings
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import torch
+
+from transport.base import TransferCorrupt
+from transport.wire import INLINE, Header, payload_checksum
+
+Reply = Callable[[Header], None]  # send a control message back to the peer
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous CPU tensor (any dtype, bf16 included)."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def tensor_from_bytes(buf: memoryview | bytes, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A zero-copy tensor over received bytes; read-only use (it is copied into blocks)."""
+    with warnings.catch_warnings():  # the buffer is read-only; we never write through it
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(buf, dtype=torch.uint8)
+    return flat.view(getattr(torch, dtype)).view(shape)
+
+
+def verify_checksum(header: Header, *buffers: memoryview | bytes) -> None:
+    if payload_checksum(*buffers) != header.checksum:
+        raise TransferCorrupt(f"payload of {header.transfer_id!r} layer {header.layer_start} "
+                              "does not match its checksum", "checksum", header.transfer_id)
+
+
+class SendPath(ABC):
+    """Sending half. Called only from the owning peer connection's thread."""
+
+    name: str
+
+    def hello(self) -> Header | None:
+        """A handshake message to send before the first LAYER, or None."""
+        return None
+
+    @abstractmethod
+    def payload(self, header: Header, kv: torch.Tensor) -> list:
+        """Fill `header.checksum`/`extra`; return frames to send after the header."""
+
+    def after_send(self, header: Header, kv: torch.Tensor) -> None:
+        """Runs once the header is queued (out-of-band sends happen here)."""
+
+    def on_release(self, header: Header) -> None:
+        """The receiver is done with a payload's resources."""
+
+    def on_transfer_end(self, transfer_id: str) -> None:
+        """A transfer resolved; free anything it still holds."""
+
+    def close(self) -> None: ...
+
+
+class RecvPath(ABC):
+    """Receiving half. `read` returns the payload as a tensor and a callback to run after
+    the tensor was copied into the blocks (even when that copy failed)."""
+
+    name: str
+    # True when `read` blocks (waits on another channel), so the receiver must call it
+    # from a per-peer worker thread rather than its socket thread.
+    blocking: bool = False
+
+    @abstractmethod
+    def read(self, peer: bytes, header: Header, frames: list, shape: tuple[int, ...],
+             reply: Reply) -> tuple[torch.Tensor, Callable[[], None]]: ...
+
+    def on_hello(self, peer: bytes, header: Header, reply: Reply) -> None:
+        raise TransferCorrupt(f"{self.name} path has no handshake", "malformed")
+
+    def close(self) -> None: ...
+
+
+def _noop() -> None:
+    return None
+
+
+class InlineSendPath(SendPath):
+    name = INLINE
+
+    def payload(self, header: Header, kv: torch.Tensor) -> list:
+        data = tensor_bytes(kv.detach().cpu().contiguous())
+        header.checksum = payload_checksum(data)
+        return [data]
+
+
+class InlineRecvPath(RecvPath):
+    name = INLINE
+
+    def read(self, peer: bytes, header: Header, frames: list, shape: tuple[int, ...],
+             reply: Reply) -> tuple[torch.Tensor, Callable[[], None]]:
+        if len(frames) != 1 or len(frames[0]) != header.nbytes:
+            raise TransferCorrupt(f"{header.transfer_id!r}: payload frames do not match the "
+                                  "header", "malformed", header.transfer_id)
+        buf = frames[0].buffer if hasattr(frames[0], "buffer") else memoryview(frames[0])
+        verify_checksum(header, buf)
+        return tensor_from_bytes(buf, header.dtype, shape), _noop
