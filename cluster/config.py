@@ -137,7 +137,7 @@ class PoolConfig(_Strict):
 class TransportSettings(_Strict):
     """KV transport; mirrors `transport.factory.TransportConfig` (see `transport_config()`)."""
 
-    backend: str = "auto"  # auto: same-node backend when both ends share a node, else TCP
+    backend: Literal["auto", "zmq", "nccl", "shm", "local"] = "auto"  # auto: same-node backend when possible
     host: str | None = None  # address to advertise; None: the node's IP (never hard-coded localhost)
     port: int = Field(default=0, ge=0, le=65535)  # 0: an ephemeral port per replica
     connect_timeout_s: float = Field(default=5.0, gt=0)

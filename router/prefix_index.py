@@ -1,0 +1,51 @@
+"""What each replica's prefix cache probably holds, as the router saw it.
+
+The router records the block hashes of every prompt it sends to a replica (the same
+`workers.engine.prefix_hash.block_hashes` the engines use, so the numbers agree across
+processes) and forgets the least recently used ones past a capacity, as the engines'
+caches do. It never asks a replica, so routing costs no extra hop; a wrong guess only
+costs some recomputation, never correctness.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+
+class PrefixIndex:
+    def __init__(self, capacity_blocks: int = 65536) -> None:
+        assert capacity_blocks >= 1
+        self.capacity_blocks = capacity_blocks
+        self._blocks: dict[str, OrderedDict[int, None]] = {}
+
+    def num_matched_blocks(self, replica_id: str, hashes: Sequence[int]) -> int:
+        """Length of the leading run of `hashes` that `replica_id` holds (chained hashes:
+        a later block can only be valid when every earlier one is)."""
+        held = self._blocks.get(replica_id)
+        if not held:
+            return 0
+        n = 0
+        for h in hashes:
+            if h not in held:
+                break
+            n += 1
+        return n
+
+    def insert(self, replica_id: str, hashes: Sequence[int]) -> None:
+        held = self._blocks.setdefault(replica_id, OrderedDict())
+        for h in hashes:
+            held[h] = None
+            held.move_to_end(h)
+        while len(held) > self.capacity_blocks:
+            held.popitem(last=False)
+
+    def retain(self, replica_ids: Iterable[str]) -> None:
+        """Forget replicas that are gone (a restarted replica starts with an empty cache)."""
+        keep = set(replica_ids)
+        for replica_id in list(self._blocks):
+            if replica_id not in keep:
+                del self._blocks[replica_id]
+
+    def num_blocks(self, replica_id: str) -> int:
+        return len(self._blocks.get(replica_id, ()))
