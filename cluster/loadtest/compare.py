@@ -21,7 +21,7 @@ METRICS: tuple[tuple[str, tuple[str, ...], bool], ...] = (
     ("goodput (req/s)", ("goodput", "requests_per_s"), False),
     ("goodput fraction", ("goodput", "fraction"), False),
     *((f"{name} {stat} (ms)", (f"{name}_ms", stat), True)
-      for name in ("ttft", "tpot", "itl", "e2e") for stat in ("mean", "p50", "p99"))),
+      for name in ("ttft", "tpot", "itl", "e2e") for stat in ("mean", "p50", "p99")),
     ("routes disagg", ("routes", "disagg"), False),
     ("routes local", ("routes", "local"), False),
 )
