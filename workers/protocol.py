@@ -51,3 +51,28 @@ class GenerateChunk:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: dict | None = None  # OpenAI-shaped error body when finish_reason == "error"
+
+
+@dataclass
+class PrefillRequest:
+    """Decode worker -> prefill worker: compute this prompt's KV and send it to me."""
+
+    request_id: str  # the client's x-request-id, for logs
+    transfer_id: str  # request id + nonce, chosen by the decode worker; keys the transfer
+    prompt_token_ids: list[int]
+    params: SamplingParams  # the request's own; the prefill worker samples one token
+    seed: int
+    decode_address: str  # the decode replica's advertised transport address
+    start_block: int  # blocks the decode replica already holds (prefix cache) are not sent
+    layout_fingerprint: str  # refuse at once when the two engines' KV would not match
+    timeout_s: float = 30.0
+    deadline: float | None = None
+    target_replica: str | None = None  # the prefill replica the router chose
+
+
+@dataclass
+class PrefillResult:
+    first_token_id: int
+    num_cached_tokens: int  # prompt tokens the prefill replica found in its prefix cache
+    num_bytes: int  # KV bytes sent
+    seconds: float  # prefill + transfer, on the prefill side

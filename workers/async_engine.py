@@ -1,0 +1,279 @@
+"""An asyncio front for the synchronous `LLMEngine`.
+
+One thread owns the engine: it runs every engine call (add, abort, reserve/commit/cancel
+KV, layer writes from the transport) between steps, and steps while there is work. So
+the engine is never touched by two threads, the event loop never blocks on a step, and a
+KV layer write can never land in blocks that a cancel already freed (both run on the
+same thread, in order).
+
+Outputs go back to each request's asyncio queue with `loop.call_soon_threadsafe`; the
+request's async generator merges whatever queued up into one `GenerateChunk` (the engine
+already detokenized and applied the stop rules on its thread). Leaving the
+generator early (client gone, Serve cancelled the call, deadline) aborts the request,
+which frees its blocks before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from workers.engine.kv_types import KVReservation, KVSink
+from workers.engine.sampling_params import SamplingParams
+from workers.protocol import GenerateChunk
+
+log = logging.getLogger(__name__)
+_nonce = itertools.count()
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (a step raised); the replica must be replaced."""
+
+
+class DeadlineExceeded(Exception):
+    pass
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncEngine:
+    def __init__(self, engine, idle_wait_s: float = 0.5) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.eos_token_ids = _eos_token_ids(engine)
+        self.idle_wait_s = idle_wait_s
+        self._calls: deque[tuple[Callable, tuple, concurrent.futures.Future]] = deque()
+        self._streams: dict[str, _Stream] = {}
+        self._open_transfer_ids: set[str] = set()  # reservations neither committed nor cancelled
+        self._wake = threading.Event()
+        self._stopping = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    def check_health(self) -> None:
+        if self.error is not None:
+            raise EngineDeadError(f"engine loop died: {self.error!r}")
+        if not self._thread.is_alive() and not self._stopping:
+            raise EngineDeadError("engine loop is not running")
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout_s)
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    # ---- calls run on the engine thread ----------------------------------------------
+
+    def submit(self, fn: Callable, *args: Any) -> concurrent.futures.Future:
+        """Run `fn(*args)` on the engine thread before its next step."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if self.error is not None:
+            fut.set_exception(EngineDeadError(f"engine loop died: {self.error!r}"))
+            return fut
+        self._calls.append((fn, args, fut))
+        self._wake.set()
+        if self.error is not None:  # died while we appended: nobody will run it
+            self._fail_calls(EngineDeadError(f"engine loop died: {self.error!r}"))
+        return fut
+
+    async def call(self, fn: Callable, *args: Any) -> Any:
+        return await asyncio.wrap_future(self.submit(fn, *args))
+
+    async def stats(self) -> dict:
+        return await self.call(self.engine.stats)
+
+    async def check_integrity(self) -> None:
+        await self.call(self.engine.check_integrity)
+
+    # ---- KV import: the `transport.base.KVTarget` a receiver writes into ---------------
+
+    @property
+    def layout(self):
+        return self.engine.layout
+
+    async def reserve_kv(self, transfer_id: str, prompt_token_ids: list[int]) -> KVReservation | None:
+        return await self.call(self._reserve, transfer_id, prompt_token_ids)
+
+    def write_kv_layer(self, reservation: KVReservation, layer_idx: int, kv) -> None:
+        """For transport threads: returns once the layer is written, or dropped because the
+        reservation is closed already (its blocks may belong to another request now)."""
+        self.submit(self._write_layer, reservation, layer_idx, kv).result()
+
+    def cancel_kv(self, reservation: KVReservation) -> None:
+        """Free a reservation; never blocks, safe from any thread, idempotent."""
+        self.submit(self._cancel, reservation)
+
+    @property
+    def num_open_reservations(self) -> int:
+        return len(self._open_transfer_ids)
+
+    def _reserve(self, transfer_id: str, prompt_token_ids: list[int]) -> KVReservation | None:
+        res = self.engine.reserve_kv(transfer_id, prompt_token_ids)
+        if res is not None:
+            self._open_transfer_ids.add(transfer_id)
+        return res
+
+    def _write_layer(self, res: KVReservation, layer_idx: int, kv) -> None:
+        if res.transfer_id in self._open_transfer_ids:
+            self.engine.write_kv_layer(res, layer_idx, kv)
+
+    def _cancel(self, res: KVReservation) -> None:
+        if res.transfer_id in self._open_transfer_ids:
+            self._open_transfer_ids.discard(res.transfer_id)
+            self.engine.cancel_kv(res)
+
+    def _commit(self, res: KVReservation, request_id: str, params: SamplingParams,
+                first_token_id: int, seed: int) -> None:
+        assert res.transfer_id in self._open_transfer_ids, "reservation already closed"
+        self._open_transfer_ids.discard(res.transfer_id)
+        try:
+            self.engine.commit_kv(res, request_id, params, first_token_id, seed=seed)
+        except BaseException:
+            self.engine.cancel_kv(res)  # idempotent: frees the blocks unless commit took them
+            raise
+
+    # ---- request streams -------------------------------------------------------------
+
+    def new_request_id(self, request_id: str) -> str:
+        """Engine-unique id: clients may reuse an x-request-id, retries reuse it too."""
+        return f"{request_id}#{next(_nonce)}"
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       seed: int, *, kv_sink: KVSink | None = None,
+                       deadline: float | None = None) -> AsyncIterator[GenerateChunk]:
+        """Prefill locally and stream the output. `request_id` must be engine-unique."""
+        add = lambda: self.engine.add_request(  # noqa: E731
+            request_id, prompt_token_ids, params, kv_sink=kv_sink, seed=seed)
+        async for chunk in self._stream(request_id, add, deadline):
+            yield chunk
+
+    async def generate_from_kv(self, reservation: KVReservation, request_id: str,
+                               params: SamplingParams, first_token_id: int, seed: int, *,
+                               first_chunk: GenerateChunk,
+                               deadline: float | None = None) -> AsyncIterator[GenerateChunk]:
+        """Turn a fully received reservation into a running request and stream it;
+        `first_chunk` (the prefill worker's token) is yielded as soon as it is committed."""
+        commit = lambda: self._commit(reservation, request_id, params, first_token_id, seed)  # noqa: E731
+        async for chunk in self._stream(request_id, commit, deadline, first_chunk):
+            yield chunk
+
+    async def _stream(self, request_id: str, start: Callable, deadline: float | None,
+                      first_chunk: GenerateChunk | None = None) -> AsyncIterator[GenerateChunk]:
+        assert request_id not in self._streams, f"duplicate engine request id {request_id}"
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        finished = False
+        try:
+            await self.call(start)
+            if first_chunk is not None:
+                yield first_chunk
+            while not finished:
+                chunk = await self._next_chunk(stream, deadline)
+                finished = chunk.finished
+                if chunk.token_ids or chunk.text or finished:
+                    yield chunk
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.submit(self._abort_quietly, request_id)
+
+    async def _next_chunk(self, stream: _Stream, deadline: float | None) -> GenerateChunk:
+        """Wait for the next engine output; all that queued up meanwhile become one chunk."""
+        timeout = None if deadline is None else deadline - time.time()
+        if timeout is not None and timeout <= 0:
+            raise DeadlineExceeded
+        try:
+            items = [await asyncio.wait_for(stream.queue.get(), timeout)]
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded from None
+        while not stream.queue.empty():
+            items.append(stream.queue.get_nowait())
+        chunk = GenerateChunk()
+        for item in items:
+            if isinstance(item, BaseException):
+                raise item
+            chunk.token_ids += item.new_token_ids
+            chunk.text += item.text
+            chunk.finished, chunk.finish_reason = item.finished, item.finish_reason
+            chunk.num_prompt_tokens = len(item.prompt_token_ids)
+            chunk.num_cached_tokens = item.num_cached_tokens
+        return chunk
+
+    def _abort_quietly(self, request_id: str) -> None:
+        try:
+            self.engine.abort_request(request_id)
+        except KeyError:  # already finished and forgotten
+            pass
+
+    # ---- the engine thread -----------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._run_calls()
+                if self.engine.has_unfinished_requests():
+                    self._dispatch(self.engine.step())
+                else:
+                    self._wake.wait(self.idle_wait_s)
+                    self._wake.clear()
+        except BaseException as exc:  # noqa: BLE001 - any step failure kills the loop
+            log.exception("engine loop died")
+            self.error = exc
+            self._fail_everything(exc)
+
+    def _run_calls(self) -> None:
+        while self._calls:
+            fn, args, fut = self._calls.popleft()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(exc)
+
+    def _fail_calls(self, exc: BaseException) -> None:
+        while self._calls:
+            try:
+                _, _, fut = self._calls.popleft()
+            except IndexError:
+                return
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(exc)
+
+    def _dispatch(self, outputs) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, output)
+
+    def _fail_everything(self, exc: BaseException) -> None:
+        dead = EngineDeadError(f"engine loop died: {exc!r}")
+        self._fail_calls(dead)
+        for stream in list(self._streams.values()):
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, dead)
+
+
+def _eos_token_ids(engine) -> frozenset[int]:
+    ids = getattr(engine, "eos_token_ids", None)
+    if ids is None:
+        eos = engine.tokenizer.eos_token_id
+        ids = [] if eos is None else [eos]
+    return frozenset(ids)
