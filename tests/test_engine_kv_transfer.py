@@ -143,3 +143,19 @@ def test_abort_before_the_prompt_completes_tells_the_sink(make_engine):
     assert prefill.stats()["kv_blocks_free"] == prefill.stats()["kv_blocks_total"]
     assert [o.finish_reason for o in prefill.step()] == ["abort"]
     assert not prefill.has_unfinished_requests()
+
+
+def test_bfloat16_kv_arrives_bit_identical_and_decodes_like_local(make_engine):
+    prompt = random_prompts([45], seed=8)[0]
+    params = greedy(8, ignore_eos=True)
+    local = make_engine(dtype="bfloat16").generate([prompt], params)[0].token_ids
+    prefill, decode = make_engine(dtype="bfloat16"), make_engine(dtype="bfloat16")
+    assert prefill.layout.dtype == "bfloat16" and prefill.layout.fingerprint() == decode.layout.fingerprint()
+    sink = prefill_remotely(prefill, prompt, params, seed=0)
+    reservation = import_kv(decode, "t", prompt, sink)
+    cache = decode.runner.kv_cache
+    for layer_idx, kv in sink.layers.items():
+        assert kv.dtype == torch.bfloat16
+        assert torch.equal(cache.read_blocks(layer_idx, reservation.block_ids), kv)
+    decode.commit_kv(reservation, "d", params, sink.first_token_id)
+    assert finish(decode, "d").token_ids == local

@@ -8,6 +8,8 @@ this step goes through `lm_head`.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -39,6 +41,11 @@ class ModelRunner:
 
     @property
     def max_model_len(self) -> int:
+        """Context the engine serves exactly: capped at a sliding window, which the SDPA
+        backend does not apply (every token attends to its whole context)."""
+        window = getattr(self.config, "sliding_window", None)
+        if window and getattr(self.config, "use_sliding_window", True):
+            return min(window, self.config.max_position_embeddings)
         return self.config.max_position_embeddings
 
     @torch.inference_mode()
@@ -55,7 +62,7 @@ class ModelRunner:
 
     def _metadata(self, batch: list[ScheduledSeq], exports: list[KVExport]) -> AttentionMetadata:
         query_lens = [s.num_new_tokens for s in batch]
-        starts = [sum(query_lens[:i]) for i in range(len(batch))]
+        starts = [0, *itertools.accumulate(query_lens)][:-1]
         return AttentionMetadata(
             kv_cache=self.kv_cache, backend=self.backend,
             slot_mapping=self._slot_mapping(batch),
