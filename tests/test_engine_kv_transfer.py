@@ -159,3 +159,16 @@ def test_bfloat16_kv_arrives_bit_identical_and_decodes_like_local(make_engine):
         assert torch.equal(cache.read_blocks(layer_idx, reservation.block_ids), kv)
     decode.commit_kv(reservation, "d", params, sink.first_token_id)
     assert finish(decode, "d").token_ids == local
+
+
+def test_decode_really_reads_the_imported_kv(make_engine):
+    """Control for the tests above: import a wrong layer and the continuation changes."""
+    prompt = random_prompts([30], seed=12)[0]
+    params = greedy(10, ignore_eos=True)
+    local = make_engine().generate([prompt], params)[0].token_ids
+    sink = prefill_remotely(make_engine(), prompt, params, seed=0)
+    sink.layers[0] = sink.layers[0].flip(2)  # tokens' KV in reversed order within each block
+    decode = make_engine()
+    reservation = import_kv(decode, "t", prompt, sink)
+    decode.commit_kv(reservation, "d", params, sink.first_token_id)
+    assert finish(decode, "d").token_ids != local
