@@ -34,8 +34,8 @@ def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@pytest.fixture
-def make_engine(tiny_model_dir):
+@pytest.fixture(name="make_engine")
+def make_engine_fixture(tiny_model_dir):
     """Build engines on the tiny model (fp32, CPU); every one is integrity-checked at teardown."""
     engines: list[LLMEngine] = []
 

@@ -8,7 +8,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.engine_support import MAX_TOKENS, PROMPT_LENS, greedy, hf_greedy, make_engine, random_prompts  # noqa: F401
+from tests.engine_support import (  # noqa: F401
+    MAX_TOKENS,
+    PROMPT_LENS,
+    greedy,
+    hf_greedy,
+    make_engine_fixture,
+    random_prompts,
+)
 
 PROMPTS = random_prompts(PROMPT_LENS)
 # A shared 40-token "system prompt" (2.5 blocks) in front of varied questions.
@@ -23,7 +30,7 @@ def hf_model(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def reference(hf_model):
-    return [hf_greedy(hf_model, p, n) for p, n in zip(PROMPTS, MAX_TOKENS)]
+    return [hf_greedy(hf_model, p, n) for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +40,7 @@ def shared_reference(hf_model):
 
 def run(engine, prompts=PROMPTS, max_tokens=MAX_TOKENS) -> list[list[int]]:
     outs = engine.generate(prompts, [greedy(n) for n in max_tokens])
-    for out, n in zip(outs, max_tokens):
+    for out, n in zip(outs, max_tokens, strict=True):
         assert out.finished and out.finish_reason in ("stop", "length")
         assert (out.finish_reason == "length") == (len(out.token_ids) == n)
     return [o.token_ids for o in outs]

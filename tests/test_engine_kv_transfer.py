@@ -7,7 +7,7 @@ import threading
 
 import torch
 
-from tests.engine_support import greedy, make_engine, random_prompts  # noqa: F401
+from tests.engine_support import greedy, make_engine_fixture, random_prompts  # noqa: F401
 from workers.engine import SamplingParams
 
 

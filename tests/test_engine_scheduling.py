@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine_support import greedy, make_engine, random_prompts  # noqa: F401
+from tests.engine_support import greedy, make_engine_fixture, random_prompts  # noqa: F401
 from workers.engine import SamplingParams
 
 

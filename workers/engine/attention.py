@@ -69,7 +69,7 @@ class AttentionBackend(ABC):
     (masks, padded block tables) in `meta.backend_state`.
     """
 
-    def prepare(self, meta: AttentionMetadata) -> None:
+    def prepare(self, meta: AttentionMetadata) -> None:  # noqa: B027 - an optional hook
         """Precompute per-step state shared by all layers (optional)."""
 
     @abstractmethod

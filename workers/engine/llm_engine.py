@@ -21,11 +21,11 @@ from workers.engine.block_manager import BlockManager
 from workers.engine.kv_cache import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_MEMORY_FRACTION
 from workers.engine.kv_types import KVLayout, KVReservation, KVSink, StepRecord
 from workers.engine.model_runner import ModelRunner, resolve_dtype
+from workers.engine.output_processor import OutputProcessor
 from workers.engine.sampler import Sampler, SamplingRow, request_seed
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import ScheduledSeq, Scheduler
-from workers.engine.sequence import RequestOutput, Sequence, SequenceStatus
-from workers.engine.output_processor import OutputProcessor
+from workers.engine.sequence import RequestOutput, Sequence
 
 
 class LLMEngine:
@@ -130,7 +130,7 @@ class LLMEngine:
                 for s in batch:
                     s.seq.num_computed_tokens = s.end
                     self.block_manager.cache_full_blocks(s.seq)
-                outputs += [self._append_token(s.seq, t) for s, t in zip(sampling, token_ids)]
+                outputs += [self._append_token(s.seq, t) for s, t in zip(sampling, token_ids, strict=True)]
             self._record_step(batch, start_time, time.perf_counter() - t0)
             return outputs
 
@@ -173,7 +173,7 @@ class LLMEngine:
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
         ids = [f"generate-{id(self)}-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
-        for request_id, prompt, p in zip(ids, prompts, params_list):
+        for request_id, prompt, p in zip(ids, prompts, params_list, strict=True):
             self.add_request(request_id, prompt, p)
         wanted, final = set(ids), {}
         while len(final) < len(ids):

@@ -13,7 +13,12 @@ import itertools
 import torch
 from transformers import AutoModelForCausalLM
 
-from workers.engine.attention import AttentionBackend, AttentionMetadata, KVExport, register_paged_attention
+from workers.engine.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    KVExport,
+    register_paged_attention,
+)
 from workers.engine.kv_cache import KVCache, auto_num_blocks, layout_from_config
 from workers.engine.scheduler import ScheduledSeq
 from workers.engine.sdpa_backend import SdpaBackend
