@@ -31,7 +31,7 @@ from transport.base import (
 )
 from transport.datapath import SendPath
 from transport.metrics import TransportMetrics
-from transport.wire import ABORT, ACK, DONE, LAYER, NACK, RELEASE, Header, WireCodec
+from transport.wire import ABORT, ACK, DONE, LAYER, NACK, PG, RELEASE, Header, WireCodec
 from workers.engine.kv_types import KVLayout
 
 log = logging.getLogger(__name__)
@@ -168,12 +168,13 @@ class PeerChannel(threading.Thread):
             events = dict(poller.poll(self._poll_ms()))
             if self._waker.fileno() in events:
                 self._waker.drain()
-            if not self._send_queued(sock):
+            if not self._send_queued(sock) or self.broken:
                 return
             while sock.poll(0):
                 self._on_reply(sock.recv_multipart())
             if monitor in events:
-                recv_monitor_message(monitor)
+                while monitor.poll(0):
+                    recv_monitor_message(monitor)
                 self._fail_all(PeerGone(f"connection to {self.address.endpoint} lost"))
             self._expire(sock)
 
@@ -211,6 +212,13 @@ class PeerChannel(threading.Thread):
         except TransferError as exc:
             self._resolve(sink, exc)
             self._abort(sock, sink, exc.kind, exc.reason, str(exc))
+            self._check_path()
+
+    def _check_path(self) -> None:
+        """A data path whose stream fell out of step (a process group) is not reused."""
+        if getattr(self.path, "broken", False) and not self.broken:
+            self.broken = True
+            self._fail_all(PeerGone(f"data path to {self.address.endpoint} broke"))
 
     def _send_layer(self, sock: zmq.Socket, sink: ChannelSink, layer_idx: int,
                     kv: torch.Tensor) -> None:
@@ -266,6 +274,9 @@ class PeerChannel(threading.Thread):
         elif header.kind == NACK:
             self._resolve(sink, error_from_wire(header.error, header.detail, header.reason,
                                                 header.transfer_id))
+            if self.path.name == PG:  # the receiver may not have posted the matching recv
+                self.path.broken = True
+                self._check_path()
 
     def _resolve(self, sink: ChannelSink, error: TransferError | None) -> None:
         self._sinks.pop(sink.transfer_id, None)

@@ -1,0 +1,156 @@
+"""The `shm` data path: same-node transfers through shared-memory files in /dev/shm.
+
+The sender copies each layer into a reusable slot file (copy 1), sends the header over
+ZMQ naming the slot; the receiver maps the slot and copies it into its blocks (copy 2),
+then answers RELEASE so the slot is reused. Two copies is the floor for a path where the
+sender's tensor is not itself in shared memory. When every slot is in flight and the pool
+is at its cap, the layer goes inline over ZMQ instead of waiting.
+
+GPU tensors are staged through host memory here; CUDA IPC handles are future work.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from transport.base import TransferCorrupt, TransferRejected
+from transport.datapath import (
+    InlineSendPath,
+    RecvPath,
+    Reply,
+    SendPath,
+    tensor_bytes,
+    tensor_from_bytes,
+    verify_checksum,
+)
+from transport.wire import RELEASE, SHM, Header, payload_checksum
+
+SHM_DIR = Path("/dev/shm")
+_SLOT_NAME = re.compile(r"^pdc-kv-[0-9a-f]{24}$")
+MAX_MAPPINGS = 256
+
+
+def shm_available() -> bool:
+    return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
+
+
+@dataclass
+class _Slot:
+    name: str
+    size: int
+    data: torch.Tensor  # uint8 view of the whole shared file
+    transfer_id: str = ""  # in flight for this transfer; "" = free
+
+
+class ShmSendPath(SendPath):
+    name = SHM
+
+    def __init__(self, pool_bytes: int) -> None:
+        self.pool_bytes = pool_bytes
+        self._slots: dict[str, _Slot] = {}
+        self._inline = InlineSendPath()
+
+    def payload(self, header: Header, kv: torch.Tensor) -> list:
+        slot = self._acquire(header.nbytes)
+        if slot is None:  # pool full: do not block the channel, send this one inline
+            header.data_path = self._inline.name
+            return self._inline.payload(header, kv)
+        slot.transfer_id = header.transfer_id
+        dst = slot.data[: header.nbytes]
+        dst.copy_(kv.detach().reshape(-1).view(torch.uint8).cpu())
+        header.checksum = payload_checksum(tensor_bytes(dst))
+        header.extra = {"file": slot.name, "size": slot.size}
+        return []
+
+    def _acquire(self, nbytes: int) -> _Slot | None:
+        free = [s for s in self._slots.values() if not s.transfer_id and s.size >= nbytes]
+        if free:
+            return min(free, key=lambda s: s.size)
+        used = sum(s.size for s in self._slots.values())
+        if used + nbytes > self.pool_bytes:
+            return None
+        name = f"pdc-kv-{os.urandom(12).hex()}"
+        path = SHM_DIR / name
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+        finally:
+            os.close(fd)
+        data = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+        slot = _Slot(name, nbytes, data)
+        self._slots[name] = slot
+        return slot
+
+    def on_release(self, header: Header) -> None:
+        slot = self._slots.get(str(header.extra.get("file", "")))
+        if slot is not None and slot.transfer_id == header.transfer_id:
+            slot.transfer_id = ""
+
+    def on_transfer_end(self, transfer_id: str) -> None:
+        for slot in self._slots.values():
+            if slot.transfer_id == transfer_id:
+                slot.transfer_id = ""
+
+    def close(self) -> None:
+        for slot in self._slots.values():
+            try:
+                (SHM_DIR / slot.name).unlink()
+            except FileNotFoundError:
+                pass
+        self._slots.clear()
+
+
+class ShmRecvPath(RecvPath):
+    name = SHM
+
+    def __init__(self) -> None:
+        self._mappings: OrderedDict[str, torch.Tensor] = OrderedDict()
+
+    def read(self, peer: bytes, header: Header, frames: list, shape: tuple[int, ...],
+             reply: Reply) -> tuple[torch.Tensor, Callable[[], None]]:
+        tid = header.transfer_id
+        name, size = header.extra.get("file"), header.extra.get("size")
+        if frames or not isinstance(name, str) or not _SLOT_NAME.match(name) \
+                or not isinstance(size, int) or size < header.nbytes:
+            raise TransferCorrupt(f"{tid!r}: bad shared-memory slot reference", "malformed", tid)
+        data = self._map(name, size, tid)[: header.nbytes]
+
+        def release() -> None:
+            reply(Header(RELEASE, tid, extra={"file": name}))
+
+        try:
+            verify_checksum(header, tensor_bytes(data))
+        except TransferCorrupt:
+            release()
+            raise
+        return tensor_from_bytes(tensor_bytes(data), header.dtype, shape), release
+
+    def _map(self, name: str, size: int, tid: str) -> torch.Tensor:
+        data = self._mappings.get(name)
+        if data is not None and data.numel() == size:
+            self._mappings.move_to_end(name)
+            return data
+        path = SHM_DIR / name
+        try:
+            actual = path.stat().st_size
+        except FileNotFoundError:
+            raise TransferRejected(f"{tid!r}: slot {name} does not exist (other node?)",
+                                   "shm_missing", tid) from None
+        if actual != size:  # mapping past the end of a file would SIGBUS
+            raise TransferCorrupt(f"{tid!r}: slot {name} has {actual} bytes, not {size}",
+                                  "malformed", tid)
+        data = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+        self._mappings[name] = data
+        while len(self._mappings) > MAX_MAPPINGS:
+            self._mappings.popitem(last=False)
+        return data
+
+    def close(self) -> None:
+        self._mappings.clear()
