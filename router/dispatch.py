@@ -1,0 +1,113 @@
+"""One request's call to a worker: start it, wait for the first chunk, stream the rest.
+
+The first `GenerateChunk` carries the route actually taken, so the HTTP headers are sent
+only after it arrives. A call that fails before any chunk (the replica died, Serve has
+no replica) is retried once on another replica; after that it is a 503. A worker's
+error chunk becomes the matching OpenAI error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import (
+    BackPressureError,
+    DeploymentUnavailableError,
+    RayServeException,
+    ReplicaUnavailableError,
+)
+
+from router.errors import APIError, unavailable
+from router.planner import ClusterView, RoutePlan
+from workers.protocol import GenerateChunk, GenerateRequest
+
+log = logging.getLogger("pdcluster.router")
+RETRYABLE = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError, BackPressureError,
+             RayServeException)
+
+
+@dataclass
+class Call:
+    plan: RoutePlan
+    stream: object  # DeploymentResponseGenerator
+    first: GenerateChunk
+    view: ClusterView
+    done: bool = False
+    closed: bool = False
+
+    @property
+    def route(self) -> str:
+        return self.first.route or self.plan.decision.route
+
+    @property
+    def reason(self) -> str:
+        return self.first.reason or self.plan.decision.reason
+
+    async def rest(self) -> AsyncIterator[GenerateChunk]:
+        """The chunks after the first; always releases the call, cancels it if abandoned."""
+        try:
+            async for chunk in self.stream:  # type: ignore[attr-defined]
+                yield chunk
+            self.done = True
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Idempotent: cancel the worker call if it did not finish, release the plan."""
+        if self.closed:
+            return
+        self.closed = True
+        if not self.done:
+            self.done = True
+            self.stream.cancel()  # type: ignore[attr-defined]  # aborts the engine request
+        self.view.end(self.plan)
+
+
+def error_status(error: dict) -> int:
+    code, kind = error.get("code"), error.get("type")
+    if kind == "invalid_request_error" or code == "context_length_exceeded":
+        return 400
+    return 503
+
+
+async def start(handles: dict, view: ClusterView, plan_fn, make_request, timeout_s: float) -> Call:
+    """Plan, call, and wait for the first chunk; one retry on another replica."""
+    last_error: Exception | None = None
+    for _attempt in range(2):
+        plan: RoutePlan = plan_fn()
+        request: GenerateRequest = make_request(plan)
+        view.begin(plan)
+        handle = handles.get(plan.deployment)
+        if handle is None:
+            view.end(plan)
+            raise unavailable()
+        stream = handle.options(stream=True).generate.remote(request)
+        try:
+            first = await asyncio.wait_for(stream.__anext__(), timeout_s)
+        except (StopAsyncIteration, asyncio.TimeoutError) as e:
+            stream.cancel()
+            view.end(plan)
+            raise unavailable(f"The replica did not answer ({type(e).__name__})") from None
+        except RETRYABLE as e:
+            stream.cancel()
+            view.end(plan)
+            log.warning("request %s: %s failed before its first chunk: %r", request.request_id,
+                        plan.target_replica, e)
+            if plan.target_replica:
+                view.excluded.add(plan.target_replica)
+            last_error = e
+            continue
+        except BaseException:
+            stream.cancel()
+            view.end(plan)
+            raise
+        call = Call(plan, stream, first, view)
+        if first.finish_reason == "error":
+            call.close()
+            raise APIError.from_body(error_status(first.error or {}), {"error": first.error or {}})
+        return call
+    raise unavailable(f"No replica could take the request: {type(last_error).__name__}")

@@ -1,0 +1,319 @@
+"""The Router ingress: the whole HTTP API of INTERFACES.md on one FastAPI app.
+
+Per request: parse and validate (400s), tokenise, resolve the workload profile, plan the
+route (`router/planner.py`), call the chosen worker and wait for its first chunk (which
+carries the route actually taken), then answer with `x-pd-route` / `x-pd-reason` /
+`x-request-id` and either an SSE stream or one JSON body. Profiles and the replica table
+come from the ControlPlane, polled in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+
+from cluster.config import ClusterConfig, WorkloadProfile, load_config
+from router import admin, dispatch, metrics, sse
+from router.api_keys import ApiKeys
+from router.errors import APIError, bad_request, context_length_exceeded, from_validation_error, install_handlers, model_not_found
+from router.middleware import RequestIdMiddleware, read_json
+from router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from router.planner import ClusterView
+from router.prompting import PromptBuilder
+from router.responses import ResponseShape
+from router.workloads import Profiles, client_mode, view
+from workers.protocol import GenerateRequest
+
+log = logging.getLogger("pdcluster.router")
+METRICS_PUSH_INTERVAL_S = 2.0
+
+app = FastAPI(title="pdcluster", docs_url=None, redoc_url=None, openapi_url=None)
+app.add_middleware(RequestIdMiddleware)
+install_handlers(app)
+
+
+@serve.deployment(name="Router", max_ongoing_requests=1000)
+@serve.ingress(app)
+class Router:
+    async def __init__(self, config: dict | ClusterConfig, control_plane=None, decode=None, prefill=None) -> None:
+        self.config = load_config(config)
+        self.handles = {k: h for k, h in (("decode", decode), ("prefill", prefill)) if h is not None}
+        self.control_plane = control_plane
+        self.model = self.config.model.served_name
+        self.prompts = PromptBuilder(self.config.model.resolve_path(), self.config.model.max_model_len)
+        engine = self.config.engine_for("decode")
+        self.view = ClusterView(engine.block_size, engine.max_num_seqs, self.config.router.prefix_index_blocks)
+        self.profiles = Profiles(0, dict(self.config.workloads))
+        self.metrics = metrics.RouterMetrics(self.model)
+        self.admin_token = self.config.secrets.admin_token()
+        self.api_keys = ApiKeys.load(self.config.secrets.api_keys_path())
+        self.source_id = f"router:{_replica_id()}"
+        self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
+
+    # ---- cluster state ----------------------------------------------------------------
+
+    async def _poll_forever(self) -> None:
+        last_push = 0.0
+        while True:
+            try:
+                await self._refresh()
+                if time.monotonic() - last_push > METRICS_PUSH_INTERVAL_S:
+                    await self._push_metrics()
+                    last_push = time.monotonic()
+            except Exception as e:  # noqa: BLE001 - the ControlPlane may be restarting
+                log.debug("control plane poll failed: %r", e)
+            await asyncio.sleep(self.config.router.state_poll_interval_s)
+
+    async def _refresh(self) -> None:
+        if self.control_plane is None:
+            return
+        state = await self.control_plane.get_state.remote(self.profiles.version)
+        if state.profiles is not None:
+            self.profiles = Profiles(state.version, {n: WorkloadProfile.model_validate(p)
+                                                     for n, p in state.profiles.items()})
+        self.view.update(state.replicas)
+
+    async def _push_metrics(self) -> None:
+        if self.control_plane is not None:
+            await self.control_plane.push_metrics.remote(self.source_id, metrics.snapshot(self.metrics.registry))
+
+    def check_health(self) -> None:
+        if self._poller.done() and not self._poller.cancelled():
+            raise RuntimeError(f"control plane poller died: {self._poller.exception()!r}")
+
+    # ---- OpenAI API -------------------------------------------------------------------
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, "chat")
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> JSONResponse:
+        self._authenticate(request)
+        card = {"id": self.model, "object": "model", "created": 0, "owned_by": "pdcluster",
+                "max_model_len": self.prompts.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def _generate(self, request: Request, kind: str) -> Response:
+        arrival = time.perf_counter()
+        key = self._authenticate(request)
+        body = await read_json(request, self.config.router.max_body_bytes)
+        req = _parse(kind, body)
+        if req.model is not None and req.model != self.model:
+            raise model_not_found(req.model)
+        prompt_ids = self.prompts.chat_ids(req) if kind == "chat" else self.prompts.completion_ids(req)
+        params = req.sampling_params(self._max_tokens(req, len(prompt_ids)))
+        workload = self.profiles.resolve(request.headers.get("x-workload"), key.workload if key else None,
+                                         self.config.model.workload)
+        profile = self.profiles.get(workload)
+        forced = client_mode(profile, request.headers.get("x-pd-mode"))
+        if not self.view.replicas:
+            await self._refresh()  # first requests after a (re)start: do not wait for the poll
+        request_id = request.state.request_id
+        seed = req.seed if req.seed is not None else random.getrandbits(31)
+
+        def make_request(plan) -> GenerateRequest:
+            return GenerateRequest(
+                request_id=request_id, prompt_token_ids=prompt_ids, params=params, seed=seed,
+                route=plan.decision.route, reason=plan.decision.reason, workload=workload,
+                deadline=time.time() + profile.deadline_s if profile.deadline_s else None,
+                prefill_timeout_s=self.config.router.prefill_timeout_s,
+                target_replica=plan.target_replica, prefill_replica=plan.prefill_replica)
+
+        call = await dispatch.start(
+            self.handles, self.view,
+            lambda: self.view.plan(prompt_ids, params.max_tokens, view(profile), forced,
+                                   self.config.router.offload_local_to_prefill),
+            make_request, self.config.router.request_timeout_s)
+        self.metrics.record_route(call.route, call.reason, workload)
+        headers = {"x-pd-route": call.route, "x-pd-reason": call.reason, "x-request-id": request_id}
+        shape = ResponseShape(kind, request_id, self.model, req.return_token_ids)
+        timing = _Timing(self.metrics, call.route, workload, arrival)
+        if req.stream:
+            chunks = _stream(call, shape, prompt_ids, req.include_usage, timing)
+            return StreamingResponse(chunks, media_type=sse.MEDIA_TYPE, headers={**sse.HEADERS, **headers})
+        return await _collect(call, shape, prompt_ids, timing, headers)
+
+    def _max_tokens(self, req, prompt_len: int) -> int:
+        limits, max_len = self.config.limits, self.prompts.max_model_len
+        if prompt_len >= max_len:
+            raise context_length_exceeded(prompt_len, max_len)
+        if req.max_tokens is not None and req.min_tokens > req.max_tokens:
+            raise bad_request("min_tokens: must be <= max_tokens", param="min_tokens")
+        wanted = req.max_tokens if req.max_tokens is not None else limits.default_max_tokens
+        return max(1, min(wanted, limits.max_tokens_limit, max_len - prompt_len))
+
+    def _authenticate(self, request: Request):
+        if self.api_keys is None:
+            return None
+        return self.api_keys.check(request.headers.get("authorization"))
+
+    # ---- health and metrics -----------------------------------------------------------
+
+    @app.get("/health")
+    async def health(self) -> JSONResponse:
+        try:
+            await self._refresh()
+        except Exception as e:  # noqa: BLE001 - answer from the last known state
+            log.debug("health refresh failed: %r", e)
+        pools = {role: _pool_status(self.view, role, pool.enabled)
+                 for role, pool in (("decode", self.config.decode), ("prefill", self.config.prefill))}
+        can_serve = pools["decode"]["healthy"] > 0 or pools["prefill"]["healthy"] > 0
+        degraded = any(p["status"] != "ok" for p in pools.values() if p["status"] != "disabled")
+        status = "unavailable" if not can_serve else "degraded" if degraded else "ok"
+        body = {"status": status, "model": self.model, "pools": pools,
+                "workloads_version": self.profiles.version}
+        return JSONResponse(body, status_code=200 if can_serve else 503)
+
+    @app.get("/metrics")
+    async def prometheus(self) -> Response:
+        own = metrics.snapshot(self.metrics.registry)
+        try:
+            await self.control_plane.push_metrics.remote(self.source_id, own)
+            text = await self.control_plane.render_metrics.remote()
+        except Exception as e:  # noqa: BLE001 - still show this router's own metrics
+            log.warning("metrics from the control plane failed: %r", e)
+            text = metrics.render(own)
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # ---- admin ------------------------------------------------------------------------
+
+    @app.get("/admin/workloads")
+    async def admin_get_workloads(self, request: Request) -> JSONResponse:
+        admin.check_admin(request.headers.get("authorization"), self.admin_token)
+        version, profiles = await self._profiles_from_control_plane()
+        return JSONResponse({"version": version, "workloads": profiles})
+
+    @app.put("/admin/workloads/{name}")
+    async def admin_put_workload(self, name: str, request: Request) -> JSONResponse:
+        admin.check_admin(request.headers.get("authorization"), self.admin_token)
+        profile = admin.parse_profile(name, await read_json(request, self.config.router.max_body_bytes))
+        version = await self.control_plane.set_profile.remote(name, profile.model_dump())
+        await self._refresh()  # this replica at once; the others within one poll
+        log.info("workload %s set to %s (version %d)", name, profile.model_dump(), version)
+        return JSONResponse({"name": name, "profile": profile.model_dump(), "version": version})
+
+    async def _profiles_from_control_plane(self) -> tuple[int, dict[str, Any]]:
+        if self.control_plane is None:
+            return self.profiles.version, self.profiles.as_dict()
+        return await self.control_plane.get_profiles.remote()
+
+
+class _Timing:
+    """TTFT, ITL and E2E of one request, as the router saw them."""
+
+    def __init__(self, router_metrics: metrics.RouterMetrics, route: str, workload: str, arrival: float) -> None:
+        self.metrics, self.route, self.workload = router_metrics, route, workload
+        self.arrival = arrival
+        self.last: float | None = None
+
+    def content(self) -> None:
+        now = time.perf_counter()
+        if self.last is None:
+            self.metrics.observe_ttft(self.route, self.workload, now - self.arrival)
+        else:
+            self.metrics.observe_itl(self.route, self.workload, now - self.last)
+        self.last = now
+
+    def finish(self) -> None:
+        self.metrics.observe_e2e(self.route, self.workload, (self.last or time.perf_counter()) - self.arrival)
+
+
+async def _chunks(call: dispatch.Call):
+    yield call.first
+    async for chunk in call.rest():
+        yield chunk
+
+
+async def _stream(call: dispatch.Call, shape: ResponseShape, prompt_ids: list[int], include_usage: bool,
+                  timing: _Timing):
+    num_tokens, ok = 0, False
+    try:
+        if shape.kind == "chat":
+            yield sse.event(shape.role_chunk(prompt_ids))
+            prompt_ids_once = None
+        else:
+            prompt_ids_once = prompt_ids
+        async for chunk in _chunks(call):
+            if chunk.error is not None:
+                yield sse.error_events({"error": chunk.error})
+                return
+            if chunk.token_ids or chunk.text:
+                timing.content()
+            num_tokens += len(chunk.token_ids)
+            finish = chunk.finish_reason if chunk.finished else None
+            if chunk.token_ids or chunk.text or finish:
+                yield sse.event(shape.chunk(chunk.text, chunk.token_ids, finish, prompt_ids_once))
+                prompt_ids_once = None
+        ok = True
+    except Exception as e:  # noqa: BLE001 - the stream started: report in-band
+        log.warning("request %s failed mid-stream: %r", shape.request_id, e)
+        yield sse.error_events(APIError(503, "The serving replica failed mid-stream",
+                                        code="replica_failed").body())
+        return
+    finally:
+        call.close()
+        if ok:
+            timing.finish()
+    if include_usage:
+        yield sse.usage_chunk(shape.base(), len(prompt_ids), num_tokens)
+    yield sse.DONE
+
+
+async def _collect(call: dispatch.Call, shape: ResponseShape, prompt_ids: list[int], timing: _Timing,
+                   headers: dict[str, str]) -> JSONResponse:
+    texts: list[str] = []
+    token_ids: list[int] = []
+    finish_reason = None
+    try:
+        async for chunk in _chunks(call):
+            if chunk.error is not None:
+                status = dispatch.error_status(chunk.error)
+                return APIError.from_body(status, {"error": chunk.error}).response(headers)
+            if chunk.token_ids or chunk.text:
+                timing.content()
+            texts.append(chunk.text)
+            token_ids.extend(chunk.token_ids)
+            finish_reason = chunk.finish_reason or finish_reason
+    except dispatch.RETRYABLE as e:
+        raise APIError(503, f"The serving replica failed: {type(e).__name__}", code="replica_failed") from None
+    finally:
+        call.close()
+    timing.finish()
+    return JSONResponse(shape.final("".join(texts), token_ids, finish_reason, prompt_ids), headers=headers)
+
+
+def _parse(kind: str, body: Any) -> CompletionRequest | ChatCompletionRequest:
+    if not isinstance(body, dict):
+        raise bad_request("The body must be a JSON object")
+    model = ChatCompletionRequest if kind == "chat" else CompletionRequest
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+
+
+def _pool_status(cluster: ClusterView, role: str, enabled: bool) -> dict[str, Any]:
+    replicas = [r for r in cluster.replicas.values() if r.role == role]
+    healthy = sum(r.healthy for r in replicas)
+    status = "disabled" if not enabled and not replicas else "ok" if healthy else "down"
+    return {"status": status, "healthy": healthy, "replicas": len(replicas)}
+
+
+def _replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - outside Serve (unit tests)
+        return f"local-{random.getrandbits(32):08x}"
