@@ -16,3 +16,41 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from cluster.make_model import make_model
 
     return make_model(tmp_path_factory.mktemp("models") / "tiny", "tiny", 0)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster (and Serve on a free port) for the whole session."""
+    import ray
+    from ray import serve
+
+    os.environ.setdefault("PDC_TRANSPORT_KEY", "test-transport-key-0123456789")
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1",
+                                           "PDC_TRANSPORT_KEY": os.environ["PDC_TRANSPORT_KEY"]}})
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield {"http_port": port}
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One small local Ray cluster for the whole test session (2 CPUs, no dashboard).
+    Reuse it rather than calling ray.init yourself; it shuts down at the end."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()

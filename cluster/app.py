@@ -1,0 +1,87 @@
+"""`build_app(args) -> serve.Application`: the one builder behind `serve run`, `serve deploy`,
+a KubeRay RayService (`import_path: cluster.app:build_app` + `args`) and `pdcluster serve`.
+
+    ControlPlane (1)  <- register/heartbeat --  PrefillWorker (n)  --KV-->  DecodeWorker (m)
+         ^  profiles, registry, metrics                ^  prefill()              ^  generate()
+         |                                              |                        |
+    Router ingress (HTTP)  -- picks a decode replica, decides the route ---------+
+
+`args` is the cluster config as a dict (or `{"config_file": PATH, ...overrides}`).
+Live settings travel as `user_config`, so a redeploy that only changes them reaches
+running replicas through `reconfigure` without a restart: the workload profiles (to the
+ControlPlane, which every router polls) and the log level (to every worker).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+
+from cluster.config import ClusterConfig, PoolConfig, load_config
+
+# Fast failure detection: a dead engine loop or replica is replaced within seconds.
+HEALTH_CHECK_PERIOD_S = 2.0
+HEALTH_CHECK_TIMEOUT_S = 10.0
+GRACEFUL_SHUTDOWN_S = 5.0
+
+
+def build_app(args: dict[str, Any] | None = None) -> Application:
+    config = load_config(args or {})
+    config_args = config.to_args()
+    key = transport_key(config)
+    control_plane = _control_plane(config)
+    prefill = _pool(config, "prefill").bind(config_args, control_plane, key) if config.prefill.enabled else None
+    decode = (_pool(config, "decode").bind(config_args, prefill, control_plane, key)
+              if config.decode.enabled else None)
+    return _router(config).bind(config_args, control_plane, decode, prefill)
+
+
+def transport_key(config: ClusterConfig) -> str:
+    """The KV transport's shared HMAC key: configured, else one fresh key for this
+    deployment (handed to every worker as a constructor argument, never logged)."""
+    from transport.config import generate_key
+
+    if config.transport.key_file:
+        from pathlib import Path
+
+        return Path(config.transport.key_file).read_text().strip()
+    return config.secrets.transport_key() or generate_key()
+
+
+def _control_plane(config: ClusterConfig):
+    from router.control_plane import ControlPlane
+
+    workloads = {name: p.model_dump() for name, p in config.workloads.items()}
+    return ControlPlane.options(user_config={"workloads": workloads}).bind(
+        workloads, config.router.heartbeat_timeout_s)
+
+
+def _pool(config: ClusterConfig, role: str):
+    from router.replica_router import request_router_config
+
+    if role == "prefill":
+        from workers.prefill import PrefillDeployment as deployment
+        pool: PoolConfig = config.prefill
+    else:
+        from workers.decode import DecodeDeployment as deployment
+        pool = config.decode
+    return deployment.options(
+        **pool.deployment_options(),
+        request_router_config=request_router_config(),
+        user_config={"log_level": config.log_level},
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
+        health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
+        graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S,
+    )
+
+
+def _router(config: ClusterConfig):
+    from router.ingress import Router
+
+    return Router.options(
+        num_replicas=config.router.num_replicas,
+        ray_actor_options={"num_cpus": config.router.num_cpus},
+        graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S,
+    )

@@ -1,0 +1,155 @@
+"""The decode deployment: one continuous batch over requests prefilled here and requests
+whose KV a prefill replica computed and streamed into blocks reserved here.
+
+For `route == "disagg"` this replica orchestrates (as Ray Serve LLM's pattern does):
+reserve blocks, tell the receiver to expect the transfer, call the chosen prefill
+replica, wait for the last layer and the first token, commit, stream. Every way that
+can fail (no prefill replica, no room, prefill error, transfer error, timeout) ends in a
+local prefill of the same request, reported with its reason; never a hang, never a leak:
+the reservation is always either committed or cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+from ray import serve
+
+from workers.engine.output_processor import OutputProcessor
+from workers.engine_worker import EngineWorker
+from workers.kv_transport import make_receiver
+from workers.protocol import GenerateChunk, GenerateRequest, PrefillRequest
+
+log = logging.getLogger("pdcluster.decode")
+
+
+class RemotePrefillFailed(Exception):
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason  # one of the fallback reasons of INTERFACES.md
+
+
+class DecodeWorker(EngineWorker):
+    role = "decode"
+
+    async def __init__(self, config, prefill=None, control_plane=None,
+                       transport_key: str | None = None) -> None:
+        await super().__init__(config, control_plane)
+        self.prefill_handle = prefill
+        self.receiver = make_receiver(self.config, self.engine, transport_key)
+        self.start_heartbeat(self.receiver.address)
+
+    @property
+    def transport_address(self) -> str:
+        return self.receiver.address
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        stream = self._disagg(req) if req.route == "disagg" else self._local(req, "local", req.reason)
+        async for chunk in self._tracked(stream):
+            yield chunk
+
+    async def _disagg(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        try:
+            res, first_token_id = await self._remote_prefill(req)
+        except RemotePrefillFailed as exc:
+            log.warning("request %s: remote prefill failed (%s: %s); prefilling locally",
+                        req.request_id, exc.reason, exc)
+            async for chunk in self._local(req, "local", exc.reason):
+                yield chunk
+            return
+        request_id = self.engine.new_request_id(req.request_id)
+        stream = self._from_kv(res, request_id, req, first_token_id)
+        async for chunk in self.label_first(stream, req, "disagg", req.reason):
+            yield chunk
+
+    def _from_kv(self, res, request_id: str, req: GenerateRequest,
+                 first_token_id: int) -> AsyncIterator[GenerateChunk]:
+        # The engine does not report the prefill worker's token again; its text is what
+        # a fresh output processor makes of it (the same code from the same state).
+        processor = OutputProcessor(self.engine.tokenizer, req.prompt_token_ids, req.params,
+                                    self.engine.eos_token_ids, True)
+        _, text = processor.append(first_token_id)
+        first = GenerateChunk(token_ids=[first_token_id], text=text if req.detokenize else "",
+                              num_cached_tokens=res.num_cached_blocks * res.layout.block_size)
+        return self.engine.generate_from_kv(res, request_id, req.params, first_token_id, req.seed,
+                                            first_chunk=first, deadline=req.deadline)
+
+    async def _remote_prefill(self, req: GenerateRequest):
+        """Returns (reservation, first token id) with every layer written, or raises
+        RemotePrefillFailed having released everything it took."""
+        if self.prefill_handle is None or not req.prefill_replica:
+            raise RemotePrefillFailed("prefill-unhealthy", "no prefill replica")
+        transfer_id = f"{req.request_id}.{uuid.uuid4().hex[:12]}"
+        res = await self.engine.reserve_kv(transfer_id, req.prompt_token_ids)
+        if res is None:
+            raise RemotePrefillFailed("decode-busy", "no free KV blocks for the transfer")
+        try:
+            self.receiver.expect(transfer_id, res, timeout=req.prefill_timeout_s)
+        except Exception as exc:
+            self.engine.cancel_kv(res)
+            raise RemotePrefillFailed("prefill-failed", f"receiver refused: {exc}") from None
+        # From here the receiver owns `res` until it hands it back with the first token;
+        # on any failure it cancels `res` itself.
+        call = self._call_prefill(req, transfer_id, res)
+        try:
+            first_token_id = await self._await_transfer(transfer_id, call, req.prefill_timeout_s)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.receiver.cancel(transfer_id)
+            self.engine.cancel_kv(res)  # idempotent; covers a cancel right after success
+            call.cancel()
+            raise
+        call.add_done_callback(_retrieve_exception)  # may still be finishing; never awaited
+        return res, first_token_id
+
+    def _call_prefill(self, req: GenerateRequest, transfer_id: str, res) -> asyncio.Task:
+        prefill_req = PrefillRequest(
+            request_id=req.request_id, transfer_id=transfer_id,
+            prompt_token_ids=req.prompt_token_ids, params=req.params, seed=req.seed,
+            decode_address=self.receiver.address, start_block=res.num_cached_blocks,
+            layout_fingerprint=self.engine.layout.fingerprint(), timeout_s=req.prefill_timeout_s,
+            deadline=req.deadline, target_replica=req.prefill_replica)
+        response = self.prefill_handle.prefill.remote(prefill_req)
+        return asyncio.ensure_future(_await_response(response))
+
+    async def _await_transfer(self, transfer_id: str, call: asyncio.Task, timeout_s: float) -> int:
+        """The first token id once every layer is in; a failed prefill call fails it at once."""
+        from transport.base import TransferError, TransferTimeout
+
+        transfer = asyncio.ensure_future(self.receiver.wait_async(transfer_id, timeout_s))
+        try:
+            done, _ = await asyncio.wait({transfer, call}, timeout=timeout_s + 1.0,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if call in done and call.exception() is not None and transfer not in done:
+                raise RemotePrefillFailed("prefill-failed", f"prefill replica: {call.exception()!r}")
+            if transfer not in done:
+                await asyncio.wait({transfer}, timeout=timeout_s + 1.0)
+            if not transfer.done():
+                raise RemotePrefillFailed("prefill-timeout", "transfer did not finish in time")
+            return transfer.result()
+        except TransferTimeout as exc:
+            raise RemotePrefillFailed("prefill-timeout", str(exc)) from None
+        except TransferError as exc:
+            raise RemotePrefillFailed("prefill-failed", f"{exc.kind}: {exc}") from None
+        finally:
+            transfer.cancel()
+
+
+def _retrieve_exception(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("prefill call ended with %r after its transfer completed", task.exception())
+
+
+async def _await_response(response):
+    try:
+        return await response
+    except asyncio.CancelledError:
+        response.cancel()
+        raise
+
+
+DecodeDeployment = serve.deployment(name="DecodeWorker")(DecodeWorker)

@@ -1,0 +1,189 @@
+"""What the prefill and decode deployments share: an engine, local generation, health,
+live settings, and the heartbeat that tells the ControlPlane who this replica is and how
+loaded it is (with its metrics, which the ControlPlane sums for `/metrics`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+from cluster.config import ClusterConfig, load_config
+from workers.async_engine import AsyncEngine, DeadlineExceeded, EngineDeadError
+from workers.metrics import WorkerMetrics
+from workers.protocol import GenerateChunk, GenerateRequest
+
+log = logging.getLogger("pdcluster.worker")
+HEARTBEAT_INTERVAL_S = 0.5
+
+
+class EngineWorker:
+    role: ClassVar[str] = "decode"
+
+    async def __init__(self, config: dict | ClusterConfig, control_plane=None) -> None:
+        self.config = load_config(config)
+        logging.getLogger("pdcluster").setLevel(self.config.log_level)
+        self.control_plane = control_plane
+        self.replica_id, self.node_id = _replica_identity()
+        self.engine = AsyncEngine(await asyncio.to_thread(self._build_engine))
+        self.metrics = WorkerMetrics(self.config.model.served_name, self.role, self.replica_id)
+        self.num_inflight = 0
+        self._heartbeat_task: asyncio.Task | None = None
+        self._closed = False
+
+    def _build_engine(self):
+        import torch
+
+        from workers.engine.llm_engine import LLMEngine
+
+        pool = self.config.prefill if self.role == "prefill" else self.config.decode
+        if pool.torch_threads:
+            torch.set_num_threads(pool.torch_threads)
+        settings = self.config.engine_for(self.role)  # type: ignore[arg-type]
+        model = self.config.model
+        return LLMEngine(str(resolve_model_path(self.config)), **settings.model_dump(),
+                         device=model.device, dtype=model.dtype)
+
+    def start_heartbeat(self, address: str | None = None) -> None:
+        """Register with the ControlPlane and keep heartbeating (no-op without one)."""
+        if self.control_plane is not None and self._heartbeat_task is None:
+            self._heartbeat_task = asyncio.get_running_loop().create_task(self._heartbeat_loop(address))
+
+    # ---- Serve hooks -----------------------------------------------------------------
+
+    def check_health(self) -> None:
+        """Raising marks this replica unhealthy; Serve replaces it."""
+        self.engine.check_health()
+
+    def reconfigure(self, user_config: dict | None) -> None:
+        """Live settings from a Serve redeploy: `{"log_level": "DEBUG"}`."""
+        level = (user_config or {}).get("log_level")
+        if level:
+            logging.getLogger("pdcluster").setLevel(level)
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """What Serve's request router may read about this replica's load."""
+        return {"num_inflight": self.num_inflight, "role": self.role}
+
+    async def stats(self) -> dict:
+        stats = await self.engine.stats()
+        stats.update(num_inflight=self.num_inflight,
+                     num_open_reservations=self.engine.num_open_reservations)
+        return stats
+
+    async def check_integrity(self) -> dict:
+        """For tests and the fault suite: the engine's invariants hold and nothing leaked."""
+        await self.engine.check_integrity()
+        return await self.stats()
+
+    # ---- generation ------------------------------------------------------------------
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """Prefill here and stream; the first chunk says route=local with the router's reason."""
+        async for chunk in self._tracked(self._local(req, "local", req.reason)):
+            yield chunk
+
+    async def _local(self, req: GenerateRequest, route: str, reason: str) -> AsyncIterator[GenerateChunk]:
+        request_id = self.engine.new_request_id(req.request_id)
+        stream = self.engine.generate(request_id, req.prompt_token_ids, req.params, req.seed,
+                                      deadline=req.deadline)
+        async for chunk in self.label_first(stream, req, route, reason):
+            yield chunk
+
+    async def label_first(self, stream: AsyncIterator[GenerateChunk], req: GenerateRequest,
+                          route: str, reason: str) -> AsyncIterator[GenerateChunk]:
+        """Stamp the route on the first chunk; turn failures into one error chunk."""
+        first = True
+        try:
+            async for chunk in stream:
+                if first:
+                    chunk.route, chunk.reason, first = route, reason, False
+                    chunk.num_prompt_tokens = len(req.prompt_token_ids)
+                yield chunk
+        except (ValueError, DeadlineExceeded, EngineDeadError) as exc:
+            log.warning("request %s failed: %s", req.request_id, exc)
+            yield error_chunk(exc, route if first else None, reason if first else None,
+                              len(req.prompt_token_ids))
+
+    async def _tracked(self, stream: AsyncIterator[GenerateChunk]) -> AsyncIterator[GenerateChunk]:
+        self.num_inflight += 1
+        try:
+            async for chunk in stream:
+                yield chunk
+        finally:
+            self.num_inflight -= 1
+
+    # ---- heartbeat -------------------------------------------------------------------
+
+    async def _heartbeat_loop(self, address: str | None) -> None:
+        registered = False
+        while not self._closed:
+            try:
+                if not registered:
+                    await self.control_plane.register.remote(
+                        replica_id=self.replica_id, role=self.role, node_id=self.node_id,
+                        address=address, layout_fingerprint=self.engine.layout.fingerprint())
+                    registered = True
+                stats = await self.stats()
+                self.metrics.update_from_stats(stats)
+                healthy = self.engine.error is None
+                registered = await self.control_plane.heartbeat.remote(
+                    self.replica_id, dict(stats, healthy=healthy), self.metrics.render())
+            except Exception as exc:  # noqa: BLE001 - the ControlPlane may be restarting
+                log.debug("heartbeat from %s failed: %r", self.replica_id, exc)
+                registered = False
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+    def __del__(self) -> None:
+        self._closed = True
+        with contextlib.suppress(Exception):
+            self.engine.shutdown(timeout_s=1.0)
+
+
+def error_chunk(exc: BaseException, route: str | None, reason: str | None,
+                num_prompt_tokens: int) -> GenerateChunk:
+    """One OpenAI-shaped error as the last chunk of a stream."""
+    if isinstance(exc, DeadlineExceeded):
+        body = {"message": "request deadline exceeded", "type": "timeout_error",
+                "param": None, "code": "deadline_exceeded"}
+    elif isinstance(exc, EngineDeadError):
+        body = {"message": "the serving replica failed; retry", "type": "service_unavailable",
+                "param": None, "code": "replica_failed"}
+    else:
+        message = str(exc)
+        code = "context_length_exceeded" if "context length" in message or "KV pool" in message else None
+        body = {"message": message, "type": "invalid_request_error", "param": None, "code": code}
+    return GenerateChunk(finished=True, finish_reason="error", error=body, route=route,
+                         reason=reason, num_prompt_tokens=num_prompt_tokens)
+
+
+def resolve_model_path(config: ClusterConfig) -> Path:
+    """The model folder; a preset is made once per machine under a file lock, since
+    several replicas on one node start at the same time."""
+    if config.model.path:
+        return config.model.resolve_path()
+    cache = Path(config.model.cache_dir)
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / ".make-model.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return config.model.resolve_path()
+
+
+def _replica_identity() -> tuple[str, str]:
+    """(Serve replica unique id, Ray node id); made-up ids outside Serve (unit tests)."""
+    try:
+        import ray
+        from ray import serve
+
+        replica_id = serve.get_replica_context().replica_id.unique_id
+        return replica_id, ray.get_runtime_context().get_node_id()
+    except Exception:  # noqa: BLE001 - not inside a Serve replica
+        return f"local-{uuid.uuid4().hex[:8]}", f"node-{os.getpid()}-{int(time.time())}"

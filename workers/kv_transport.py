@@ -1,0 +1,36 @@
+"""Builds a worker's KV sender or receiver from the cluster config (the one place that
+knows both `cluster.config.TransportSettings` and `transport.factory`)."""
+
+from __future__ import annotations
+
+from cluster.config import ClusterConfig
+
+
+def transport_config(config: ClusterConfig, key: str | None):
+    from transport.config import TransportConfig
+
+    t = config.transport
+    key = key or config.secrets.transport_key()
+    fields = dict(backend=t.backend, host=t.host, port=t.port, connect_timeout_s=t.connect_timeout_s,
+                  transfer_timeout_s=t.transfer_timeout_s, reservation_ttl_s=t.transfer_timeout_s)
+    if t.key_file and not key:
+        fields["key_file"] = t.key_file
+    elif key:
+        fields["key"] = key
+    return TransportConfig(**fields)
+
+
+def make_receiver(config: ClusterConfig, target, key: str | None):
+    try:
+        from transport.factory import make_receiver as build
+    except ImportError:  # before the factory existed: the zmq backend
+        from transport.zmq_backend import ZmqReceiver as build
+    return build(transport_config(config, key), target)
+
+
+def make_sender(config: ClusterConfig, key: str | None):
+    try:
+        from transport.factory import make_sender as build
+    except ImportError:
+        from transport.zmq_backend import ZmqSender as build
+    return build(transport_config(config, key))

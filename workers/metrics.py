@@ -1,0 +1,60 @@
+"""A worker replica's Prometheus metrics, in its own registry.
+
+Each replica renders its registry as Prometheus text and sends it with every heartbeat;
+the ControlPlane sums the counters and histograms of all replicas and keeps the gauges
+per `pool`/`replica`, so `/metrics` on any router shows the whole cluster.
+Engine counters (prefix-cache queries/hits) are mirrored from `engine.stats()` by delta,
+so the engine stays the one owner of those facts.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class WorkerMetrics:
+    def __init__(self, model: str, pool: str, replica: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model = model
+        self._gauge_labels = {"model": model, "pool": pool, "replica": replica}
+        r = self.registry
+        self.kv_transfer_bytes = Counter(
+            "pdc_kv_transfer_bytes", "KV bytes sent by prefill replicas", ["model"], registry=r)
+        self.kv_transfer_seconds = Histogram(
+            "pdc_kv_transfer_seconds", "Remote prefill + KV transfer time per request",
+            ["model", "backend"], buckets=TRANSFER_BUCKETS, registry=r)
+        self.prefix_queries = Counter(
+            "pdc_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", ["model"], registry=r)
+        self.prefix_hits = Counter(
+            "pdc_prefix_cache_hits", "Prompt tokens found in the prefix cache", ["model"], registry=r)
+        names = ("model", "pool", "replica")
+        self.blocks_free = Gauge("pdc_kv_blocks_free", "Free KV blocks", names, registry=r)
+        self.blocks_total = Gauge("pdc_kv_blocks_total", "All KV blocks", names, registry=r)
+        self.running = Gauge("pdc_num_requests_running", "Requests in the running batch", names, registry=r)
+        self.waiting = Gauge("pdc_num_requests_waiting", "Requests queued in the engine", names, registry=r)
+        self._last_stats: dict = {}
+
+    def record_transfer(self, num_bytes: int, seconds: float, backend: str) -> None:
+        self.kv_transfer_bytes.labels(self.model).inc(num_bytes)
+        self.kv_transfer_seconds.labels(self.model, backend).observe(seconds)
+
+    def update_from_stats(self, stats: dict) -> None:
+        """Copy engine stats into the gauges and counters."""
+        self._mirror(self.prefix_queries, stats, "prefix_cache_queries")
+        self._mirror(self.prefix_hits, stats, "prefix_cache_hits")
+        labels = self._gauge_labels
+        self.blocks_free.labels(**labels).set(stats.get("kv_blocks_free", 0))
+        self.blocks_total.labels(**labels).set(stats.get("kv_blocks_total", 0))
+        self.running.labels(**labels).set(stats.get("num_running", 0))
+        self.waiting.labels(**labels).set(stats.get("num_waiting", 0))
+        self._last_stats = dict(stats)
+
+    def _mirror(self, counter: Counter, stats: dict, key: str) -> None:
+        delta = stats.get(key, 0) - self._last_stats.get(key, 0)
+        if delta > 0:
+            counter.labels(self.model).inc(delta)
+
+    def render(self) -> str:
+        return generate_latest(self.registry).decode()

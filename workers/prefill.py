@@ -1,0 +1,75 @@
+"""The prefill deployment: computes a prompt's KV and streams it, layer by layer, into
+the blocks a decode replica reserved (`prefill`); it can also run a whole request where
+it is (`generate`), so a prefill replica is not idle when disaggregation does not pay.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from ray import serve
+
+from workers.engine.sampling_params import SamplingParams
+from workers.engine_worker import EngineWorker
+from workers.kv_transport import make_sender
+from workers.protocol import PrefillRequest, PrefillResult
+
+log = logging.getLogger("pdcluster.prefill")
+
+
+class PrefillWorker(EngineWorker):
+    role = "prefill"
+
+    async def __init__(self, config, control_plane=None, transport_key: str | None = None) -> None:
+        await super().__init__(config, control_plane)
+        self.sender = make_sender(self.config, transport_key)
+        self.start_heartbeat()
+
+    async def prefill(self, req: PrefillRequest) -> PrefillResult:
+        """Prefill `req`, send its KV to `req.decode_address`, return once the decode side
+        acknowledged every layer. Raises on any failure (the decode side falls back).
+        Cancelling this call aborts the engine request, which aborts the transfer."""
+        layout = self.engine.layout
+        if req.layout_fingerprint != layout.fingerprint():
+            raise ValueError(f"transfer {req.transfer_id}: KV layout differs from the decode replica's")
+        start = time.perf_counter()
+        sink = self.sender.open(req.transfer_id, req.decode_address, layout,
+                                start_block=req.start_block, timeout=req.timeout_s)
+        request_id = self.engine.new_request_id(req.request_id)
+        first_token_id, num_cached = await self._run_prompt(request_id, req, sink)
+        await sink.wait_async()
+        seconds = time.perf_counter() - start
+        num_blocks = -(-len(req.prompt_token_ids) // layout.block_size) - req.start_block
+        num_bytes = layout.layer_nbytes(max(num_blocks, 0)) * layout.num_layers
+        self.metrics.record_transfer(num_bytes, seconds, self.sender.backend)
+        log.info("request %s: prefilled %d tokens, sent %d bytes to %s in %.1f ms", req.request_id,
+                 len(req.prompt_token_ids), num_bytes, req.decode_address, seconds * 1e3)
+        return PrefillResult(first_token_id, num_cached, num_bytes, seconds)
+
+    async def _run_prompt(self, request_id: str, req: PrefillRequest, sink) -> tuple[int, int]:
+        self.num_inflight += 1
+        try:
+            token_ids: list[int] = []
+            num_cached = 0
+            async for chunk in self.engine.generate(request_id, req.prompt_token_ids,
+                                                    prefill_params(req.params), req.seed,
+                                                    kv_sink=sink, deadline=req.deadline):
+                token_ids += chunk.token_ids
+                num_cached = max(num_cached, chunk.num_cached_tokens)
+            if not token_ids:
+                raise RuntimeError(f"transfer {req.transfer_id}: prefill ended without a token")
+            return token_ids[0], num_cached
+        finally:
+            self.num_inflight -= 1
+
+
+def prefill_params(params: SamplingParams) -> SamplingParams:
+    """Sample exactly the first token as the decode replica would have: same distribution
+    and seed, EOS still masked when `min_tokens` asks for it, but stop after one token."""
+    return dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1),
+                               stop=(), ignore_eos=params.ignore_eos)
+
+
+PrefillDeployment = serve.deployment(name="PrefillWorker")(PrefillWorker)
