@@ -25,7 +25,8 @@ def config(backend: str, **kw) -> TransportConfig:
     kw.setdefault("transfer_timeout_s", TIMEOUT_S)
     kw.setdefault("reservation_ttl_s", TIMEOUT_S)
     kw.setdefault("connect_timeout_s", TIMEOUT_S)
-    return TransportConfig(backend=backend, host="127.0.0.1", key=KEY, **kw)
+    kw.setdefault("key", KEY)
+    return TransportConfig(backend=backend, host="127.0.0.1", **kw)
 
 
 def send_transfers(backend: str, jobs: list[tuple[str, str, int, int]], results,
