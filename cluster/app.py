@@ -54,7 +54,9 @@ def _control_plane(config: ClusterConfig):
     from router.control_plane import ControlPlane
 
     workloads = {name: p.model_dump() for name, p in config.workloads.items()}
-    return ControlPlane.options(user_config={"workloads": workloads}).bind(
+    # Heartbeats arrive every 0.5 s from every replica: no access-log line for each.
+    return ControlPlane.options(user_config={"workloads": workloads},
+                                logging_config={"enable_access_log": False}).bind(
         workloads, config.router.heartbeat_timeout_s)
 
 
