@@ -8,10 +8,16 @@ import datetime
 import platform
 import secrets
 import sys
-import time
 from dataclasses import dataclass
 
-from cluster.loadtest.client import Caps, RequestRecord, Target, fetch_models, make_http_client, probe
+from cluster.loadtest.client import (
+    Caps,
+    RequestRecord,
+    Target,
+    fetch_models,
+    make_http_client,
+    probe,
+)
 from cluster.loadtest.config import LoadTestConfig
 from cluster.loadtest.metrics import Summary, schedule_lag_ms, summarize
 from cluster.loadtest.runner import OnRecord, Plan, build_plan, execute
@@ -61,8 +67,7 @@ def run_plan(config: LoadTestConfig, session: Session, plan: Plan, on_record: On
         from cluster.loadtest.distributed import run_distributed
 
         return run_distributed(plan, session.target, session.caps, config.clients, on_record)
-    base = time.perf_counter() + 0.05  # a moment to set up before time 0
-    return asyncio.run(execute(plan, session.target, session.caps, base, on_record=on_record))
+    return asyncio.run(execute(plan, session.target, session.caps, on_record=on_record))
 
 
 def environment(config: LoadTestConfig, session: Session, plan: Plan | None, records: list[RequestRecord]) -> dict:
@@ -84,6 +89,7 @@ def environment(config: LoadTestConfig, session: Session, plan: Plan | None, rec
         "prompt_format": "token_ids" if session.caps.token_ids else "text",
         "exact_output_len": session.caps.extensions,
         "header_names": sorted(config.request_headers()),
+        "schedule_rate": _schedule_rate(plan),
         "schedule_lag_ms": schedule_lag_ms(records),
         "server_models": session.models,
         "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -92,6 +98,13 @@ def environment(config: LoadTestConfig, session: Session, plan: Plan | None, rec
                      "httpx": httpx.__version__, "ray": _version("ray")},
         "argv": sys.argv if sys.argv and sys.argv[0].endswith("pdcluster") else None,
     }
+
+
+def _schedule_rate(plan: Plan | None) -> float | None:
+    """The rate the precomputed schedule itself realizes: (N - 1) / span of its offsets."""
+    if plan is None or not plan.offsets or len(plan.offsets) < 2 or plan.offsets[-1] <= 0:
+        return None
+    return round((len(plan.offsets) - 1) / plan.offsets[-1], 4)
 
 
 def _version(name: str) -> str | None:

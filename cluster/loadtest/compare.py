@@ -38,7 +38,7 @@ def _get(data: dict, path: tuple[str, ...]):
 def run_names(dirs: Sequence[Path], summaries: Sequence[Summary]) -> list[str]:
     """The folder name, with the `--mode` when the run had one and the name lacks it."""
     names = []
-    for d, s in zip(dirs, summaries):
+    for d, s in zip(dirs, summaries, strict=False):
         name, mode = Path(d).name, s.env.get("mode")
         names.append(name if not mode or mode in name else f"{name} ({mode})")
     return names
@@ -66,8 +66,8 @@ def compare(dirs: Sequence[str | Path], out: str | Path) -> dict:
         rows.append({"metric": label, "values": values, "ratios": ratios, "lower_is_better": lower_better})
     result = {"runs": names, "dirs": [str(d) for d in dirs], "rows": rows}
     (out / "compare.json").write_text(json.dumps(result, indent=2) + "\n")
-    write_csv(out / "compare.csv", [{"metric": r["metric"], **dict(zip(names, r["values"])),
-                                     **{f"{n} / {names[0]}": x for n, x in zip(names, r["ratios"])}} for r in rows])
+    write_csv(out / "compare.csv", [{"metric": r["metric"], **dict(zip(names, r["values"], strict=False)),
+                                     **{f"{n} / {names[0]}": x for n, x in zip(names, r["ratios"], strict=False)}} for r in rows])
     _plots(out, dirs, names, rows)
     return result
 
@@ -75,7 +75,7 @@ def compare(dirs: Sequence[str | Path], out: str | Path) -> dict:
 def _plots(out: Path, dirs: list[Path], names: list[str], rows: list[dict]) -> None:
     from cluster.loadtest.plots import plot_bars, plot_cdfs
 
-    plot_cdfs(out / "latency_cdf.png", {n: read_records(d) for n, d in zip(names, dirs)})
+    plot_cdfs(out / "latency_cdf.png", {n: read_records(d) for n, d in zip(names, dirs, strict=False)})
     wanted = ("throughput (req/s)", "goodput (req/s)", "ttft p50 (ms)", "ttft p99 (ms)", "tpot p50 (ms)", "e2e p99 (ms)")
     by_label = {r["metric"]: r["values"] for r in rows}
     plot_bars(out / "metrics.png", names, {label: by_label[label] for label in wanted})
@@ -91,7 +91,7 @@ def compare_table(result: dict):
         table.add_column(name, justify="right")
     for row in result["rows"]:
         cells = []
-        for i, (value, ratio) in enumerate(zip(row["values"], row["ratios"])):
+        for i, (value, ratio) in enumerate(zip(row["values"], row["ratios"], strict=False)):
             text = "-" if value is None else (f"{value:,.2f}" if isinstance(value, float) else str(value))
             if i and ratio is not None:
                 better = (ratio < 1) == row["lower_is_better"] and ratio != 1

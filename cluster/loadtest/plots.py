@@ -34,7 +34,7 @@ def plot_cdfs(path: Path, runs: dict[str, Sequence[RequestRecord]]) -> Path:
     """One panel per latency, one line per run."""
     plt = _pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
-    for ax, (key, label) in zip(axes.flat, LATENCIES):
+    for ax, (key, label) in zip(axes.flat, LATENCIES, strict=False):
         for name, records in runs.items():
             values = latency_values_ms(records)[key]
             if values:
@@ -111,7 +111,7 @@ def plot_bars(path: Path, names: Sequence[str], metrics: dict[str, Sequence[floa
     """`compare`: one small bar chart per metric, one bar per run."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics), 4))
-    for ax, (label, values) in zip(axes if len(metrics) > 1 else [axes], metrics.items()):
+    for ax, (label, values) in zip(axes if len(metrics) > 1 else [axes], metrics.items(), strict=False):
         ax.bar(range(len(names)), [v or 0.0 for v in values], color=[f"C{i}" for i in range(len(names))])
         ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
         ax.set_title(label, fontsize=9)

@@ -92,11 +92,15 @@ def _indexed_workload(plan: Plan, client_id: int, num_clients: int) -> Iterator[
 
 
 async def execute(
-    plan: Plan, target: Target, caps: Caps, base: float, client_id: int = 0, num_clients: int = 1,
+    plan: Plan, target: Target, caps: Caps, base: float | None = None, client_id: int = 0, num_clients: int = 1,
     on_record: OnRecord | None = None,
 ) -> list[RequestRecord]:
-    """Run `plan` (already this client's share) with time 0 at `base` (perf_counter)."""
+    """Run `plan` (already this client's share) with time 0 at `base` (perf_counter; by
+    default just after the HTTP client is ready). Nothing is sent before time 0."""
     async with make_http_client() as http:
+        if base is None:
+            base = time.perf_counter() + 0.005
+        await asyncio.sleep(max(0.0, base - time.perf_counter()))
         if plan.is_open_loop:
             records = await _open_loop(plan, http, target, caps, base, client_id, num_clients, on_record)
         else:
@@ -113,7 +117,7 @@ async def _send(http, target, caps, spec, record, base, on_record) -> RequestRec
 
 async def _open_loop(plan, http, target, caps, base, client_id, num_clients, on_record) -> list[RequestRecord]:
     tasks = []
-    for k, (spec, offset) in enumerate(zip(plan.specs, plan.offsets)):
+    for k, (spec, offset) in enumerate(zip(plan.specs, plan.offsets, strict=False)):
         delay = base + offset - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)

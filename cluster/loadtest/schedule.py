@@ -46,11 +46,15 @@ def ramp_arrivals(
     _check_bounds(num_requests, duration_s)
     span = duration_s if duration_s is not None else 2.0 * num_requests / (start_rate + end_rate)
     slope = (end_rate - start_rate) / span
+    span_area = (start_rate + end_rate) * span / 2.0
     rng = random.Random(f"ramp:{seed}")
     offsets, area = [], 0.0
     while True:
-        t = _invert_linear_area(area, start_rate, slope)
-        if t >= span or not _more(len(offsets), t, num_requests, duration_s):
+        if area < span_area:
+            t = _invert_linear_area(area, start_rate, slope)
+        else:  # past the ramp (count-bounded runs only): hold the end rate
+            t = span + (area - span_area) / end_rate if end_rate > 0 else math.inf
+        if (duration_s is not None and t >= span) or not _more(len(offsets), t, num_requests, duration_s):
             return offsets
         offsets.append(t)
         area += rng.expovariate(1.0)

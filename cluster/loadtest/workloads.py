@@ -156,7 +156,7 @@ def iter_builtin(name: str, seed: int, overrides: dict | None = None) -> Iterato
 
 def _override(spec: WorkloadSpec, overrides: dict) -> WorkloadSpec:
     known = set(WorkloadSpec.__dataclass_fields__) - {"kind"}
-    for key, value in overrides.items():
+    for key in overrides:
         if key not in known:
             raise ValueError(f"workload file: unknown key {key!r}; expected one of {sorted(known)}")
     fixed = {k: _as_range(v) if k in ("prompt_len", "output_len") else v for k, v in overrides.items()}
