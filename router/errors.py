@@ -127,5 +127,4 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
 
 
 def _request_id_header(request: Request) -> dict[str, str]:
-    request_id = getattr(request.state, "request_id", None)
-    return {"x-request-id": request_id} if request_id else {}
+    return {}  # RequestIdMiddleware (or Serve's proxy) sets x-request-id on every response

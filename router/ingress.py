@@ -7,7 +7,8 @@ carries the route actually taken), then answer with `x-pd-route` / `x-pd-reason`
 come from the ControlPlane, polled in the background.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: FastAPI must see real types on the endpoint
+# signatures of a class that Serve pickles by value.
 
 import asyncio
 import logging
@@ -21,9 +22,15 @@ from pydantic import ValidationError
 from ray import serve
 
 from cluster.config import ClusterConfig, WorkloadProfile, load_config
-from router import admin, dispatch, metrics, sse
+from router import admin, dispatch, metrics, sse, streaming
 from router.api_keys import ApiKeys
-from router.errors import APIError, bad_request, context_length_exceeded, from_validation_error, install_handlers, model_not_found
+from router.errors import (
+    bad_request,
+    context_length_exceeded,
+    from_validation_error,
+    install_handlers,
+    model_not_found,
+)
 from router.middleware import RequestIdMiddleware, read_json
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from router.planner import ClusterView
@@ -34,6 +41,32 @@ from workers.protocol import GenerateRequest
 
 log = logging.getLogger("pdcluster.router")
 METRICS_PUSH_INTERVAL_S = 2.0
+# Note: Serve pickles the Router class by value when it is decorated, so every module-level
+# name it uses must be defined above it.
+
+def _parse(kind: str, body: Any) -> CompletionRequest | ChatCompletionRequest:
+    if not isinstance(body, dict):
+        raise bad_request("The body must be a JSON object")
+    model = ChatCompletionRequest if kind == "chat" else CompletionRequest
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+
+
+def _pool_status(cluster: ClusterView, role: str, enabled: bool) -> dict[str, Any]:
+    replicas = [r for r in cluster.replicas.values() if r.role == role]
+    healthy = sum(r.healthy for r in replicas)
+    status = "disabled" if not enabled and not replicas else "ok" if healthy else "down"
+    return {"status": status, "healthy": healthy, "replicas": len(replicas)}
+
+
+def _replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - outside Serve (unit tests)
+        return f"local-{random.getrandbits(32):08x}"
+
 
 app = FastAPI(title="pdcluster", docs_url=None, redoc_url=None, openapi_url=None)
 app.add_middleware(RequestIdMiddleware)
@@ -138,13 +171,13 @@ class Router:
                                    self.config.router.offload_local_to_prefill),
             make_request, self.config.router.request_timeout_s)
         self.metrics.record_route(call.route, call.reason, workload)
-        headers = {"x-pd-route": call.route, "x-pd-reason": call.reason, "x-request-id": request_id}
+        headers = {"x-pd-route": call.route, "x-pd-reason": call.reason}
         shape = ResponseShape(kind, request_id, self.model, req.return_token_ids)
-        timing = _Timing(self.metrics, call.route, workload, arrival)
+        timing = streaming.Timing(self.metrics, call.route, workload, arrival)
         if req.stream:
-            chunks = _stream(call, shape, prompt_ids, req.include_usage, timing)
+            chunks = streaming.stream_sse(call, shape, prompt_ids, req.include_usage, timing)
             return StreamingResponse(chunks, media_type=sse.MEDIA_TYPE, headers={**sse.HEADERS, **headers})
-        return await _collect(call, shape, prompt_ids, timing, headers)
+        return await streaming.collect_json(call, shape, prompt_ids, timing, headers)
 
     def _max_tokens(self, req, prompt_len: int) -> int:
         limits, max_len = self.config.limits, self.prompts.max_model_len
@@ -209,111 +242,3 @@ class Router:
         if self.control_plane is None:
             return self.profiles.version, self.profiles.as_dict()
         return await self.control_plane.get_profiles.remote()
-
-
-class _Timing:
-    """TTFT, ITL and E2E of one request, as the router saw them."""
-
-    def __init__(self, router_metrics: metrics.RouterMetrics, route: str, workload: str, arrival: float) -> None:
-        self.metrics, self.route, self.workload = router_metrics, route, workload
-        self.arrival = arrival
-        self.last: float | None = None
-
-    def content(self) -> None:
-        now = time.perf_counter()
-        if self.last is None:
-            self.metrics.observe_ttft(self.route, self.workload, now - self.arrival)
-        else:
-            self.metrics.observe_itl(self.route, self.workload, now - self.last)
-        self.last = now
-
-    def finish(self) -> None:
-        self.metrics.observe_e2e(self.route, self.workload, (self.last or time.perf_counter()) - self.arrival)
-
-
-async def _chunks(call: dispatch.Call):
-    yield call.first
-    async for chunk in call.rest():
-        yield chunk
-
-
-async def _stream(call: dispatch.Call, shape: ResponseShape, prompt_ids: list[int], include_usage: bool,
-                  timing: _Timing):
-    num_tokens, ok = 0, False
-    try:
-        if shape.kind == "chat":
-            yield sse.event(shape.role_chunk(prompt_ids))
-            prompt_ids_once = None
-        else:
-            prompt_ids_once = prompt_ids
-        async for chunk in _chunks(call):
-            if chunk.error is not None:
-                yield sse.error_events({"error": chunk.error})
-                return
-            if chunk.token_ids or chunk.text:
-                timing.content()
-            num_tokens += len(chunk.token_ids)
-            finish = chunk.finish_reason if chunk.finished else None
-            if chunk.token_ids or chunk.text or finish:
-                yield sse.event(shape.chunk(chunk.text, chunk.token_ids, finish, prompt_ids_once))
-                prompt_ids_once = None
-        ok = True
-    except Exception as e:  # noqa: BLE001 - the stream started: report in-band
-        log.warning("request %s failed mid-stream: %r", shape.request_id, e)
-        yield sse.error_events(APIError(503, "The serving replica failed mid-stream",
-                                        code="replica_failed").body())
-        return
-    finally:
-        call.close()
-        if ok:
-            timing.finish()
-    if include_usage:
-        yield sse.usage_chunk(shape.base(), len(prompt_ids), num_tokens)
-    yield sse.DONE
-
-
-async def _collect(call: dispatch.Call, shape: ResponseShape, prompt_ids: list[int], timing: _Timing,
-                   headers: dict[str, str]) -> JSONResponse:
-    texts: list[str] = []
-    token_ids: list[int] = []
-    finish_reason = None
-    try:
-        async for chunk in _chunks(call):
-            if chunk.error is not None:
-                status = dispatch.error_status(chunk.error)
-                return APIError.from_body(status, {"error": chunk.error}).response(headers)
-            if chunk.token_ids or chunk.text:
-                timing.content()
-            texts.append(chunk.text)
-            token_ids.extend(chunk.token_ids)
-            finish_reason = chunk.finish_reason or finish_reason
-    except dispatch.RETRYABLE as e:
-        raise APIError(503, f"The serving replica failed: {type(e).__name__}", code="replica_failed") from None
-    finally:
-        call.close()
-    timing.finish()
-    return JSONResponse(shape.final("".join(texts), token_ids, finish_reason, prompt_ids), headers=headers)
-
-
-def _parse(kind: str, body: Any) -> CompletionRequest | ChatCompletionRequest:
-    if not isinstance(body, dict):
-        raise bad_request("The body must be a JSON object")
-    model = ChatCompletionRequest if kind == "chat" else CompletionRequest
-    try:
-        return model.model_validate(body)
-    except ValidationError as e:
-        raise from_validation_error(e) from None
-
-
-def _pool_status(cluster: ClusterView, role: str, enabled: bool) -> dict[str, Any]:
-    replicas = [r for r in cluster.replicas.values() if r.role == role]
-    healthy = sum(r.healthy for r in replicas)
-    status = "disabled" if not enabled and not replicas else "ok" if healthy else "down"
-    return {"status": status, "healthy": healthy, "replicas": len(replicas)}
-
-
-def _replica_id() -> str:
-    try:
-        return serve.get_replica_context().replica_id.unique_id
-    except Exception:  # noqa: BLE001 - outside Serve (unit tests)
-        return f"local-{random.getrandbits(32):08x}"

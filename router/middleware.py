@@ -11,7 +11,7 @@ import uuid
 
 from router.errors import bad_request, body_too_large
 
-_VALID_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_VALID_ID = re.compile(r"^[\x21-\x7e]{1,256}$")  # printable ASCII, no spaces: safe in logs
 
 
 def request_id_from(header: str | None) -> str:
@@ -22,7 +22,9 @@ def request_id_from(header: str | None) -> str:
 
 
 class RequestIdMiddleware:
-    """Puts the id in `request.state.request_id` and on every response."""
+    """Puts the id in `request.state.request_id`, and on the response when the client sent
+    none. (Serve's proxy always forwards an `x-request-id`, the client's or its own, and
+    echoes it on the response itself; adding it again would duplicate the header.)"""
 
     def __init__(self, app) -> None:
         self.app = app
@@ -31,8 +33,11 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        request_id = request_id_from(headers.get(b"x-request-id", b"").decode("latin-1") or None)
+        given = headers.get(b"x-request-id", b"").decode("latin-1") or None
+        request_id = request_id_from(given)
         scope.setdefault("state", {})["request_id"] = request_id
+        if given is not None:
+            return await self.app(scope, receive, send)
 
         async def send_with_id(message) -> None:
             if message["type"] == "http.response.start":

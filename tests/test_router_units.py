@@ -1,0 +1,272 @@
+"""Router units without Ray: request validation (with a fuzz), workload precedence,
+prefix index, metrics merge, the control plane's logic, the planner and the admin checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cluster.config import WorkloadProfile
+from router import metrics
+from router.admin import check_admin, parse_profile
+from router.control_plane import ControlPlaneCore, ReplicaInfo
+from router.errors import APIError
+from router.ingress import _parse
+from router.planner import ClusterView
+from router.policy import ProfileView
+from router.prefix_index import PrefixIndex
+from router.workloads import Profiles, client_mode
+from workers.engine.prefix_hash import block_hashes
+
+# ---- request validation ------------------------------------------------------------
+
+
+def parse(kind, body):
+    return _parse(kind, body)
+
+
+def test_valid_requests():
+    req = parse("completion", {"prompt": [1, 2, 3], "stop": "x", "stream": True,
+                               "stream_options": {"include_usage": True}, "top_k": -1})
+    assert req.include_usage and req.sampling_params(4).stop == ("x",)
+    assert req.sampling_params(4).top_k == 0
+    chat = parse("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}],
+                          "max_completion_tokens": 3, "return_token_ids": True, "ignore_eos": True})
+    assert chat.max_tokens == 3 and chat.template_messages() == [{"role": "user", "content": "a"}]
+    assert parse("completion", {"prompt": ["one"]}).prompt == "one"
+
+
+@pytest.mark.parametrize(
+    ("kind", "body", "param"),
+    [
+        ("completion", {}, "prompt"),
+        ("completion", {"prompt": ""}, "prompt"),
+        ("completion", {"prompt": [-1]}, "prompt"),
+        ("completion", {"prompt": ["a", "b"]}, "prompt"),
+        ("completion", {"prompt": "x", "n": 2}, "n"),
+        ("completion", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ("completion", {"prompt": "x", "max_tokens": "5"}, "max_tokens"),
+        ("completion", {"prompt": "x", "temperature": -1}, "temperature"),
+        ("completion", {"prompt": "x", "top_p": 0}, "top_p"),
+        ("completion", {"prompt": "x", "seed": 2**70}, "seed"),
+        ("completion", {"prompt": "x", "stream": "yes"}, "stream"),
+        ("completion", {"prompt": "x", "logprobs": 3}, "logprobs"),
+        ("completion", {"prompt": "x", "stop": [""]}, "stop"),
+        ("completion", {"prompt": "x", "stop_token_ids": [-3]}, "stop_token_ids"),
+        ("chat", {"messages": []}, "messages"),
+        ("chat", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content"),
+        ("chat", {"messages": "hi"}, "messages"),
+    ],
+)
+def test_invalid_requests_are_400_naming_the_field(kind, body, param):
+    with pytest.raises(APIError) as info:
+        parse(kind, body)
+    assert info.value.status == 400
+    assert (info.value.param or "").startswith(param)
+    assert set(info.value.body()["error"]) == {"message", "type", "param", "code"}
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-2**80, max_value=2**80)
+    | st.floats(allow_nan=True) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
+    max_leaves=12,
+)
+fields = st.sampled_from(["prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed",
+                          "stop", "stream", "stream_options", "n", "min_tokens", "stop_token_ids",
+                          "ignore_eos", "return_token_ids", "model", "logprobs", "echo"])
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kind=st.sampled_from(["completion", "chat"]),
+       body=st.dictionaries(fields, json_values, max_size=6) | json_values)
+def test_fuzz_malformed_bodies_only_ever_4xx(kind, body):
+    try:
+        req = parse(kind, body)
+    except APIError as e:
+        assert 400 <= e.status < 500
+        json.dumps(e.body())
+        return
+    # What validates must also make valid engine params.
+    req.sampling_params(max(req.max_tokens or 1, req.min_tokens, 1))
+
+
+# ---- workloads ---------------------------------------------------------------------
+
+
+def test_profile_precedence():
+    profiles = Profiles(1, {"default": WorkloadProfile(), "rag": WorkloadProfile(mode="disagg"),
+                            "chat": WorkloadProfile(mode="local"), "m": WorkloadProfile()})
+    assert profiles.resolve("rag", "chat", "m") == "rag"
+    assert profiles.resolve(None, "chat", "m") == "chat"
+    assert profiles.resolve(None, None, "m") == "m"
+    assert profiles.resolve(None, None, None) == "default"
+    assert profiles.resolve("unknown", "chat", "m") == "default"
+    assert profiles.get("nope").mode == "auto"
+
+
+def test_client_override_only_where_allowed():
+    assert client_mode(WorkloadProfile(allow_client_override=True), "Disagg") == "disagg"
+    assert client_mode(WorkloadProfile(allow_client_override=False), "disagg") is None
+    assert client_mode(WorkloadProfile(), "sideways") is None
+    assert client_mode(WorkloadProfile(), None) is None
+
+
+# ---- prefix index ------------------------------------------------------------------
+
+
+def test_prefix_index_leading_run_and_lru():
+    index = PrefixIndex(capacity_blocks=4)
+    a = block_hashes(list(range(64)), 16)  # 4 blocks
+    index.insert("r1", a[:3])
+    assert index.num_matched_blocks("r1", a) == 3
+    assert index.num_matched_blocks("r2", a) == 0
+    b = block_hashes([7] * 32, 16)
+    index.insert("r1", b)  # evicts the two oldest of a
+    assert index.num_blocks("r1") == 4
+    assert index.num_matched_blocks("r1", a) == 0  # the chain's first block is gone
+    index.retain(["r2"])
+    assert index.num_blocks("r1") == 0
+
+
+# ---- metrics -----------------------------------------------------------------------
+
+
+def test_metrics_merge_sums_counters_keeps_gauges_apart():
+    a, b = metrics.RouterMetrics("tiny"), metrics.RouterMetrics("tiny")
+    for m in (a, b):
+        m.record_route("local", "short-prompt", "default")
+        m.observe_ttft("local", "default", 0.01)
+    text_gauges = (
+        '# TYPE pdc_kv_blocks_free gauge\npdc_kv_blocks_free{model="tiny",pool="decode",replica="r1"} 5\n'
+        '# TYPE pdc_prefix_cache_hits counter\npdc_prefix_cache_hits_total{model="tiny"} 2\n')
+    text_gauges2 = text_gauges.replace('replica="r1"', 'replica="r2"').replace("} 5", "} 7")
+    merged = metrics.merge([metrics.snapshot(a.registry), metrics.snapshot(b.registry),
+                            metrics.from_text(text_gauges), metrics.from_text(text_gauges2)])
+    out = metrics.render(json.loads(json.dumps(merged))).decode()
+    assert 'pdc_route_decisions_total{model="tiny",reason="short-prompt",route="local",workload="default"} 2.0' in out
+    assert 'pdc_time_to_first_token_seconds_count{model="tiny",route="local",workload="default"} 2.0' in out
+    assert 'pdc_prefix_cache_hits_total{model="tiny"} 4.0' in out
+    assert 'replica="r1"} 5.0' in out and 'replica="r2"} 7.0' in out
+    assert "_created" not in out
+
+
+# ---- control plane -----------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_control_plane_profiles_versions_and_registry():
+    clock = Clock()
+    cp = ControlPlaneCore({"rag": {"mode": "disagg"}}, heartbeat_timeout_s=3.0, clock=clock)
+    state = cp.get_state(None)
+    assert set(state.profiles) == {"rag", "default"}
+    assert cp.get_state(state.version).profiles is None  # unchanged: not resent
+    version = cp.set_profile("rag", {"mode": "local"})
+    assert version == state.version + 1
+    assert cp.get_state(state.version).profiles["rag"]["mode"] == "local"
+    with pytest.raises(ValueError):
+        cp.set_profile("bad", {"mode": "never"})
+
+    assert cp.heartbeat("d1", {}) is False  # unknown: the worker must register
+    cp.register("d1", "decode", "node", "tcp://1.2.3.4:5", layout_fingerprint="abc")
+    assert cp.heartbeat("d1", {"num_running": 2, "num_waiting": 1}, '# TYPE x gauge\nx 1\n') is True
+    (info,) = cp.get_state().replicas
+    assert info.healthy and info.load == 3 and info.extra == {"layout_fingerprint": "abc"}
+    clock.now += 5  # heartbeat overdue
+    assert not cp.get_state().replicas[0].healthy
+    clock.now += 100  # forgotten, its counters retired into the sums
+    assert cp.get_state().replicas == []
+
+
+def test_control_plane_keeps_counters_of_forgotten_sources():
+    clock = Clock()
+    cp = ControlPlaneCore({}, clock=clock)
+    m = metrics.RouterMetrics("tiny")
+    m.record_route("disagg", "long-prompt", "default")
+    cp.push_metrics("router:a", metrics.snapshot(m.registry))
+    clock.now += 1000
+    cp.push_metrics("router:b", metrics.snapshot(m.registry))
+    assert 'reason="long-prompt",route="disagg",workload="default"} 2.0' in cp.render_metrics().decode()
+
+
+def test_replace_profiles_from_reconfigure_keeps_default():
+    cp = ControlPlaneCore({})
+    cp.replace_profiles({"x": {"mode": "local"}})
+    assert set(cp.get_profiles()[1]) == {"x", "default"}
+
+
+# ---- planner -----------------------------------------------------------------------
+
+AUTO = ProfileView("auto", min_remote_prefill_tokens=32, max_prefill_queue=2)
+
+
+def replica(rid, role, **stats):
+    return ReplicaInfo(rid, role, healthy=True, stats=stats)
+
+
+def test_planner_prefers_prefix_affinity_then_load():
+    view = ClusterView(block_size=16, max_num_seqs=8)
+    view.update([replica("d1", "decode"), replica("d2", "decode", num_running=1), replica("p1", "prefill")])
+    prompt = list(range(100))
+    first = view.plan(prompt, 8, AUTO, None, offload_to_prefill=False)
+    assert first.target_replica == "d1" and first.decision.route == "disagg"
+    view.begin(first)
+    view.end(first)
+    view.update([replica("d1", "decode", num_running=3), replica("d2", "decode"), replica("p1", "prefill")])
+    again = view.plan(prompt, 8, AUTO, None, offload_to_prefill=False)
+    assert again.target_replica == "d1"  # the cached prefix wins over a little load
+    assert again.num_cached_tokens == 96 and again.decision.reason == "prefix-hit"
+    other = view.plan([5] * 100, 8, AUTO, None, offload_to_prefill=False)
+    assert other.target_replica == "d2"  # no hit anywhere: least loaded
+
+
+def test_planner_fallbacks_and_offload():
+    view = ClusterView(block_size=16, max_num_seqs=8)
+    with pytest.raises(APIError) as info:
+        view.plan([1, 2, 3], 4, AUTO, None)
+    assert info.value.status == 503
+    view.update([replica("d1", "decode", num_running=2), replica("p1", "prefill")])
+    short = view.plan([1, 2, 3], 4, AUTO, None)
+    assert (short.deployment, short.target_replica, short.decision.reason) == ("prefill", "p1", "short-prompt")
+    view.update([replica("p1", "prefill")])  # no decode replica: a prefill replica runs it whole
+    assert view.plan([1, 2, 3], 4, AUTO, None).deployment == "prefill"
+    view.update([replica("d1", "decode", kv_blocks_free=2), replica("p1", "prefill")])
+    full = view.plan(list(range(100)), 8, AUTO, None, offload_to_prefill=False)
+    assert full.decision.reason == "decode-busy"
+
+
+# ---- admin -------------------------------------------------------------------------
+
+
+def test_admin_auth():
+    with pytest.raises(APIError) as info:
+        check_admin("Bearer x", None)
+    assert info.value.status == 403
+    for header in (None, "Bearer wrong", "Basic secret", "secret"):
+        with pytest.raises(APIError) as info:
+            check_admin(header, "secret")
+        assert info.value.status == 401
+    check_admin("Bearer secret", "secret")
+
+
+def test_admin_profile_must_be_full_and_valid():
+    full = {"mode": "local", "min_remote_prefill_tokens": 1, "max_prefill_queue": 1,
+            "allow_client_override": False}
+    assert parse_profile("rag", full).mode == "local"
+    for body, param in (({k: v for k, v in full.items() if k != "mode"}, "mode"),
+                        ({**full, "mode": "x"}, "mode"), ({**full, "max_prefill_queue": "1"}, "max_prefill_queue"),
+                        ({**full, "extra": 1}, "extra"), ([], None)):
+        with pytest.raises(APIError) as info:
+            parse_profile("rag", body)
+        assert info.value.status == 400 and info.value.param == param
