@@ -33,7 +33,8 @@ def make_model_cmd(
 
 
 # Modules that each define `register(app, bench_app)` for their own commands.
-COMMAND_MODULES: tuple[str, ...] = ("cluster.loadtest.cli", "cluster.bench_engine_cli", "cluster.serve_cli")
+COMMAND_MODULES: tuple[str, ...] = ("cluster.loadtest.cli", "cluster.bench_engine_cli", "cluster.serve_cli",
+                                     "transport.bench_cli")
 
 
 def _register_commands() -> None:

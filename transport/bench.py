@@ -1,0 +1,332 @@
+"""`pdcluster bench transport`: KV transfer throughput against its peers and baselines.
+
+Every figure is the median of repeated transfers between two processes, timed on the
+sending side from the first byte handed over to the receiver's acknowledgement (which it
+sends once the data sits in its KV blocks). GB/s = 1e9 bytes/s. Payloads are streamed as
+8 layers, like a real prompt. Baselines: a raw TCP socket carrying the same bytes into a
+preallocated buffer (the loopback limit), Ray's object store (`ray.put` in one actor,
+`ray.get` plus one copy into a destination in another, timed inside the actors so the
+actor-call overhead is excluded), and a single in-process memcpy.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import statistics
+import sys
+import time
+
+import torch
+
+from transport.config import TransportConfig
+from transport.memory_target import MemoryTarget, synthetic_layers
+from workers.engine.kv_types import KVLayout
+
+MIB = 1 << 20
+NUM_LAYERS = 8
+BENCH_KEY = "pdc-bench-transport-key-not-secret"
+
+
+def bench_layout(dtype: str = "float32") -> KVLayout:
+    # 8 layers x 128 KiB per block: 1 MiB per block across the stack.
+    return KVLayout("bench", NUM_LAYERS, 8, 128, 16, dtype)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _config(backend: str, curve: bool = False) -> TransportConfig:
+    return TransportConfig(backend=backend, host="127.0.0.1", key=BENCH_KEY, curve=curve,
+                           transfer_timeout_s=120, reservation_ttl_s=120, connect_timeout_s=60)
+
+
+# -- the receiving process ---------------------------------------------------------------------
+
+def _receiver_main(conn, layout_fields: tuple, num_blocks: int) -> None:
+    torch.set_num_threads(1)
+    from transport.factory import make_receiver
+
+    layout = KVLayout(*layout_fields)
+    target = MemoryTarget(layout, num_blocks)
+    receivers = {}
+    while (msg := conn.recv()) is not None:
+        cmd, *args = msg
+        if cmd == "start":
+            backend, curve = args
+            receivers[backend, curve] = make_receiver(_config(backend, curve), target)
+            conn.send(receivers[backend, curve].address)
+        elif cmd == "expect":
+            key, tid, n = args
+            res = target.reserve(tid, n)
+            receivers[key].expect(tid, res)
+            receivers[key].future(tid).add_done_callback(lambda f, r=res: target.commit(r))
+            conn.send("ok")
+        elif cmd == "tcp":
+            conn.send(_tcp_server_port(args[0], args[1]))
+    for rx in receivers.values():
+        rx.close()
+
+
+class ReceiverProcess:
+    def __init__(self, layout: KVLayout, num_blocks: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        fields = (layout.model_fingerprint, layout.num_layers, layout.num_kv_heads,
+                  layout.head_dim, layout.block_size, layout.dtype)
+        self.proc = ctx.Process(target=_receiver_main, args=(child, fields, num_blocks),
+                                daemon=True)
+        self.proc.start()
+
+    def call(self, *msg):
+        self.conn.send(msg)
+        return self.conn.recv()
+
+    def close(self) -> None:
+        self.conn.send(None)
+        self.proc.join(30)
+
+
+# -- transport backends ------------------------------------------------------------------------
+
+def time_transport(rx: ReceiverProcess, backend: str, layout: KVLayout, num_blocks: int,
+                   repeats: int, curve: bool = False) -> list[float]:
+    from transport.factory import make_sender
+
+    address = rx.call("start", backend, curve)
+    sender = make_sender(_config(backend, curve))
+    layers = synthetic_layers(layout, num_blocks, 0)
+    times = []
+    try:
+        for i in range(repeats + 1):  # the first run warms connections and buffers
+            tid = f"bench-{backend}-{curve}-{num_blocks}-{i}"
+            rx.call("expect", (backend, curve), tid, num_blocks)
+            t0 = time.perf_counter()
+            sink = sender.open(tid, address, layout)
+            for layer_idx, kv in enumerate(layers):
+                sink.on_layer(layer_idx, kv)
+            sink.on_complete(0)
+            sink.wait(120)
+            if i:
+                times.append(time.perf_counter() - t0)
+    finally:
+        sender.close()
+    return times
+
+
+# -- baselines ---------------------------------------------------------------------------------
+
+def _tcp_server_port(nbytes: int, repeats: int) -> int:
+    import threading
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+
+    def serve() -> None:
+        conn, _ = srv.accept()
+        buf = bytearray(nbytes)
+        view = memoryview(buf)
+        for _ in range(repeats):
+            got = 0
+            while got < nbytes:
+                n = conn.recv_into(view[got:])
+                if not n:
+                    return
+                got += n
+            conn.sendall(b"k")
+        conn.close()
+        srv.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return srv.getsockname()[1]
+
+
+def time_raw_tcp(rx: ReceiverProcess, nbytes: int, repeats: int) -> list[float]:
+    port = rx.call("tcp", nbytes, repeats + 1)
+    data = memoryview(bytearray(torch.randint(0, 255, (nbytes,), dtype=torch.uint8).numpy()))
+    times = []
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            sock.sendall(data)
+            sock.recv(1)
+            if i:
+                times.append(time.perf_counter() - t0)
+    return times
+
+
+def time_memcpy(nbytes: int, repeats: int) -> list[float]:
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if i:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def time_ray(sizes: list[int], repeats: int) -> dict[int, list[float]]:
+    import numpy as np
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             object_store_memory=max(sizes) * 4 + (256 << 20))
+
+    @ray.remote(num_cpus=0)
+    class Putter:
+        def put(self, nbytes: int):
+            data = np.random.randint(0, 255, nbytes, dtype=np.uint8)
+            t0 = time.perf_counter()
+            ref = ray.put(data)
+            return [ref], time.perf_counter() - t0
+
+    @ray.remote(num_cpus=0)
+    class Getter:
+        def get(self, refs):
+            t0 = time.perf_counter()
+            data = ray.get(refs[0])
+            dst = np.empty_like(data)
+            np.copyto(dst, data)  # into the destination, as a receiver writes KV blocks
+            return time.perf_counter() - t0
+
+    try:
+        putter, getter = Putter.remote(), Getter.remote()
+        out = {}
+        for nbytes in sizes:
+            times = []
+            for i in range(repeats + 1):
+                refs, t_put = ray.get(putter.put.remote(nbytes))
+                t_get = ray.get(getter.get.remote(refs))
+                del refs
+                if i:
+                    times.append(t_put + t_get)
+            out[nbytes] = times
+        return out
+    finally:
+        ray.shutdown()
+
+
+# -- the whole run -----------------------------------------------------------------------------
+
+def run(sizes_mib: list[int], repeats: int, with_ray: bool = True, with_curve: bool = True,
+        with_overlap: bool = True) -> dict:
+    layout = bench_layout()
+    block_bytes = layout.layer_nbytes(1) * layout.num_layers
+    results: list[dict] = []
+
+    def add(name: str, nbytes: int, times: list[float]) -> None:
+        median = statistics.median(times)
+        results.append({"name": name, "bytes": nbytes, "gb_per_s": round(nbytes / median / 1e9, 4),
+                        "median_s": round(median, 6), "repeats": len(times)})
+        log(f"  {name:>18} {nbytes // MIB:>4} MiB  {nbytes / median / 1e9:7.3f} GB/s")
+
+    rx = ReceiverProcess(layout, max(sizes_mib) * MIB // block_bytes)
+    try:
+        for mib in sizes_mib:
+            nbytes, num_blocks = mib * MIB, mib * MIB // block_bytes
+            reps = max(1, repeats if mib < 256 else (repeats + 1) // 2)
+            log(f"{mib} MiB ({reps} repeats)")
+            for backend in ("zmq", "nccl", "shm"):
+                add(backend, nbytes, time_transport(rx, backend, layout, num_blocks, reps))
+            if with_curve and mib <= 64:
+                add("zmq_curve", nbytes, time_transport(rx, "zmq", layout, num_blocks, reps, True))
+            add("raw_tcp", nbytes, time_raw_tcp(rx, nbytes, reps))
+            add("memcpy", nbytes, time_memcpy(nbytes, reps))
+    finally:
+        rx.close()
+    if with_ray:
+        log("ray object store")
+        for nbytes, times in time_ray([m * MIB for m in sizes_mib], repeats).items():
+            add("ray_object_store", nbytes, times)
+    out = {"results": results, "ratios": _ratios(results, sizes_mib)}
+    if with_overlap:
+        out["overlap"] = measure_overlap()
+    return out
+
+
+def _ratios(results: list[dict], sizes_mib: list[int]) -> dict[str, float]:
+    mib = 64 if 64 in sizes_mib else max(sizes_mib)
+    speed = {r["name"]: r["gb_per_s"] for r in results if r["bytes"] == mib * MIB}
+
+    def ratio(a: str, b: str) -> float | None:
+        return round(speed[a] / speed[b], 3) if a in speed and speed.get(b) else None
+
+    return {f"zmq_vs_raw_tcp_{mib}MiB": ratio("zmq", "raw_tcp"),
+            f"zmq_vs_ray_object_store_{mib}MiB": ratio("zmq", "ray_object_store"),
+            f"shm_vs_memcpy_{mib}MiB": ratio("shm", "memcpy"),
+            f"zmq_curve_vs_zmq_{mib}MiB": ratio("zmq_curve", "zmq")}
+
+
+def measure_overlap(prompt_len: int = 2000, backend: str = "zmq", preset: str = "small") -> dict:
+    """Prefill a prompt on the `small` preset with a sink streaming to another process; the
+    exposed tail is KV-complete-on-decode minus prefill end."""
+    import tempfile
+    from pathlib import Path
+
+    from cluster.make_model import make_model
+    from transport.factory import make_sender
+    from workers.engine import LLMEngine, SamplingParams
+
+    log(f"overlap: {preset} preset, {prompt_len}-token prompt over {backend}")
+    model_dir = make_model(Path(tempfile.mkdtemp(prefix="pdc-bench-")) / preset, preset, 0)
+    engine = LLMEngine(str(model_dir), block_size=16, num_kv_blocks=prompt_len // 16 + 32,
+                       max_num_batched_tokens=prompt_len + 16, device="cpu")
+    layout = engine.layout
+    num_blocks = -(-prompt_len // layout.block_size)
+    rx = ReceiverProcess(layout, num_blocks * 4)
+    sender = make_sender(_config(backend))
+    try:
+        address = rx.call("start", backend, False)
+        prompt = [(31 * i + 7) % 250 for i in range(prompt_len)]
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        timings = []
+        for i in range(3):
+            tid = f"overlap-{i}"
+            rx.call("expect", (backend, False), tid, num_blocks)
+            sink = _TimedSink(sender.open(tid, address, layout))
+            engine.add_request(tid, [p + i for p in prompt], params, kv_sink=sink)
+            t0 = time.perf_counter()
+            while engine.has_unfinished_requests():
+                engine.step()
+            prefill_end = time.perf_counter()
+            sink.inner.wait(120)
+            timings.append((prefill_end - t0, sink.acked_at() - prefill_end))
+        one_layer = statistics.median(time_transport(
+            rx, backend, layout, num_blocks, 3)) / layout.num_layers
+        prefill_s, tail_s = statistics.median(t[0] for t in timings), statistics.median(
+            t[1] for t in timings)
+    finally:
+        sender.close()
+        rx.close()
+    return {"prefill_ms": round(prefill_s * 1e3, 2), "tail_ms": round(tail_s * 1e3, 2),
+            "one_layer_transfer_ms": round(one_layer * 1e3, 2),
+            "tail_within_2x_layer": tail_s <= 2 * one_layer, "backend": backend,
+            "prompt_tokens": prompt_len, "layer_bytes": layout.layer_nbytes(num_blocks)}
+
+
+class _TimedSink:
+    """Passes calls through; records when the receiver's acknowledgement arrived."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.start_block = inner.start_block
+        self._acked: list[float] = []
+        inner.result.add_done_callback(lambda f: self._acked.append(time.perf_counter()))
+
+    def on_layer(self, layer_idx: int, kv: torch.Tensor) -> None:
+        self.inner.on_layer(layer_idx, kv)
+
+    def on_complete(self, first_token_id: int) -> None:
+        self.inner.on_complete(first_token_id)
+
+    def on_abort(self, reason: str) -> None:
+        self.inner.on_abort(reason)
+
+    def acked_at(self) -> float:
+        return self._acked[0]
+
+
