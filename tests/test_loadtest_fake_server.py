@@ -84,18 +84,23 @@ def test_goodput_is_counted_exactly(server, tmp_path, fixed_workload):
     for i, (slo, fraction) in enumerate(cases):
         s, _ = run(server, tmp_path / str(i), workload=fixed_workload, rate=40.0, num_requests=12, slo=slo)
         assert s.goodput["fraction"] == fraction and s.goodput["slo"] == slo.as_dict()
-        assert s.goodput["requests_per_s"] == pytest.approx(12 * fraction / s.duration_s, abs=1e-3)
+        assert s.goodput["requests_per_s"] == pytest.approx(12 * fraction / s.duration_s, rel=1e-3, abs=1e-6)
 
 
-def test_open_loop_follows_the_schedule_without_bursts(server, tmp_path):
-    # Each answer takes ~0.7 s, so ~40 are in flight: a semaphore-gated loop would lag and burst.
-    s, records = run(server, tmp_path, rate=60.0, num_requests=90, workload="chat-short")
+def test_open_loop_follows_the_schedule_without_bursts(tmp_path):
+    # Each answer takes ~0.9 s, so ~50 are in flight: a semaphore-gated loop would lag and
+    # then burst. Few chunks per answer keep the client's CPU out of the question.
+    workload = tmp_path / "short.yaml"
+    workload.write_text("workload: chat-short\noutput_len: 4\n")
+    with FakeServer(ttft_ms=500, tpot_ms=100) as slow:
+        s, records = run(slow, tmp_path, rate=60.0, num_requests=90, workload=str(workload), slo=SLO(ttft_ms=5000))
     lags = sorted(r.sent_at_s - r.scheduled_at_s for r in records)
-    assert lags[0] >= -1e-4 and statistics.median(lags) < 0.02 and lags[-1] < 0.15
+    assert lags[0] >= -1e-4 and statistics.median(lags) < 0.03 and lags[int(0.9 * len(lags))] < 0.1
     gaps = [b.sent_at_s - a.sent_at_s for a, b in zip(records, records[1:], strict=False)]
     planned = [b.scheduled_at_s - a.scheduled_at_s for a, b in zip(records, records[1:], strict=False)]
-    assert sum(abs(g - p) for g, p in zip(gaps, planned, strict=False)) / len(gaps) < 0.01
+    assert sum(abs(g - p) for g, p in zip(gaps, planned, strict=True)) / len(gaps) < 0.05
     assert s.rate["achieved"] == pytest.approx(s.env["schedule_rate"], rel=0.1)
+    assert s.goodput["fraction"] == 1.0
 
 
 def test_closed_loop_keeps_exactly_the_concurrency(server, tmp_path, fixed_workload):

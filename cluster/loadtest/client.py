@@ -188,15 +188,23 @@ async def _exchange(http, target: Target, headers: dict, body: dict, record: Req
 
 
 async def _read_stream(resp: httpx.Response, record: RequestRecord, timer: _Timer) -> None:
+    """Stamp each SSE `data:` line with the time its bytes arrived; parse the JSON only
+    after the stream ends, so the hot loop stays cheap when thousands of chunks a second
+    share one event loop with the schedule."""
+    events: list[tuple[float, bytes]] = []
+    pending = b""
+    async for data in resp.aiter_bytes():
+        now = time.perf_counter()
+        *lines, pending = (pending + data).split(b"\n")
+        events.extend((now, line[5:].strip()) for line in lines if line.startswith(b"data:"))
+    if pending.startswith(b"data:"):
+        events.append((time.perf_counter(), pending[5:].strip()))
     done = False
-    async for line in resp.aiter_lines():
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
+    for now, payload in events:
+        if payload == b"[DONE]":
             done = True
             break
-        _take_payload(json.loads(data), record, timer, time.perf_counter())
+        _take_payload(json.loads(payload), record, timer, now)
     if not done and record.ok:
         _fail(record, "incomplete_stream", "stream ended without [DONE]")
 
