@@ -17,6 +17,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from router.ray_metrics import mirror_into_ray
+
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
                    0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -50,6 +52,7 @@ class RouterMetrics:
                              REQUEST_LABELS, registry=self.registry, buckets=LATENCY_BUCKETS)
         self.route_decisions = Counter("pdc_route_decisions", "Routes taken, by reason.",
                                        ("model", "route", "reason", "workload"), registry=self.registry)
+        mirror_into_ray(self)  # the same recordings also reach Ray's Prometheus export
 
     def record_route(self, route: str, reason: str, workload: str) -> None:
         self.route_decisions.labels(self.model, route, reason, workload).inc()

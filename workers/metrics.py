@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from router.ray_metrics import mirror_into_ray
+
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -35,6 +37,7 @@ class WorkerMetrics:
         self.running = Gauge("pdc_num_requests_running", "Requests in the running batch", names, registry=r)
         self.waiting = Gauge("pdc_num_requests_waiting", "Requests queued in the engine", names, registry=r)
         self._last_stats: dict = {}
+        mirror_into_ray(self)  # the same recordings also reach Ray's Prometheus export
 
     def record_transfer(self, num_bytes: int, seconds: float, backend: str) -> None:
         self.kv_transfer_bytes.labels(self.model).inc(num_bytes)
