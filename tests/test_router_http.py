@@ -1,0 +1,268 @@
+"""The Router's HTTP API end to end: real Ray Serve, the real workers, real HTTP.
+
+One app (1 prefill + 1 decode + 2 router replicas) serves most tests; two small apps
+whose worker pools are pinned to a Ray resource no node has show `/health` degraded
+(prefill pool never comes up) and 503 (nothing can serve).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from router.metrics import METRIC_NAMES
+from workers.protocol import REASONS
+
+APP = "pdc-router-http"
+TOKEN = "admin-secret-token"
+NOWHERE = {"resources": {"pdc_test_no_such_node": 1.0}}
+
+
+def _config(model_dir, token_file, **overrides):
+    config = {
+        "model": {"path": str(model_dir)},
+        "engine": {"num_kv_blocks": 512, "max_num_seqs": 16},
+        "transport": {"host": "127.0.0.1"},
+        "router": {"num_replicas": 2, "num_cpus": 0},
+        "secrets": {"admin_token_file": str(token_file)},
+        "limits": {"default_max_tokens": 4, "max_tokens_limit": 6},
+        "workloads": {
+            "default": {"min_remote_prefill_tokens": 32},
+            "locked": {"mode": "local", "allow_client_override": False},
+            "rag": {"mode": "disagg"},
+        },
+    }
+    config.update(overrides)
+    return config
+
+
+def _wait_health(client, ok, timeout_s=120.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            r = client.get("/health")
+            if ok(r):
+                return r
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"/health never reached the expected state: {r.status_code} {r.text}")
+
+
+@pytest.fixture(scope="module")
+def client(ray_cluster, tiny_model_dir, tmp_path_factory):
+    from ray import serve
+
+    from cluster.app import build_app
+
+    token_file = tmp_path_factory.mktemp("secrets") / "admin"
+    token_file.write_text(TOKEN)
+    serve.run(build_app(_config(tiny_model_dir, token_file)), name=APP, route_prefix="/")
+    with httpx.Client(base_url=f"http://127.0.0.1:{ray_cluster['http_port']}", timeout=60) as c:
+        _wait_health(c, lambda r: r.status_code == 200 and r.json()["status"] == "ok")
+        yield c
+    serve.delete(APP)
+
+
+def complete(client, prompt="hello there", headers=None, **body):
+    body = {"prompt": prompt, "temperature": 0, **body}
+    return client.post("/v1/completions", json=body, headers=headers or {})
+
+
+def assert_openai_error(r, status, code=None):
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert "Traceback" not in r.text
+    if code is not None:
+        assert error["code"] == code
+
+
+def test_completion_headers_and_request_id(client):
+    r = complete(client, headers={"x-request-id": "req-abc.1"}, return_token_ids=True)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-request-id"] == "req-abc.1"
+    assert r.headers["x-pd-route"] in ("local", "disagg")
+    assert r.headers["x-pd-reason"] in REASONS
+    body = r.json()
+    assert body["object"] == "text_completion" and body["id"].endswith("req-abc.1")
+    assert body["usage"]["prompt_tokens"] == len(body["prompt_token_ids"]) == len("hello there")
+    assert body["usage"]["completion_tokens"] == len(body["choices"][0]["token_ids"])
+    generated = complete(client).headers["x-request-id"]
+    assert generated and generated != "req-abc.1"
+
+
+def test_greedy_tokens_identical_local_and_disagg(client):
+    prompt = "the same long prompt " * 4
+    outs = {}
+    for mode in ("local", "disagg"):
+        r = complete(client, prompt, headers={"x-pd-mode": mode}, max_tokens=6, return_token_ids=True)
+        assert r.status_code == 200, r.text
+        assert (r.headers["x-pd-route"], r.headers["x-pd-reason"]) == (mode, "forced")
+        outs[mode] = r.json()["choices"][0]["token_ids"]
+    assert outs["local"] == outs["disagg"]
+
+
+def test_auto_routes_by_prompt_length(client):
+    short = complete(client, "hi")
+    assert (short.headers["x-pd-route"], short.headers["x-pd-reason"]) == ("local", "short-prompt")
+    long = complete(client, "a fresh long prompt that nobody sent before " * 2)
+    assert (long.headers["x-pd-route"], long.headers["x-pd-reason"]) == ("disagg", "long-prompt")
+
+
+def test_streaming_chat_with_usage(client):
+    body = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+            "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 5, "ignore_eos": True}
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["x-pd-route"] in ("local", "disagg")
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+
+
+def test_streaming_completion_equals_non_streaming(client):
+    body = {"prompt": "stream me", "temperature": 0, "max_tokens": 6, "ignore_eos": True,
+            "return_token_ids": True}
+    whole = client.post("/v1/completions", json=body).json()
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        events = [line.removeprefix("data: ") for line in r.iter_lines() if line]
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert events[-1] == "[DONE]"
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == whole["choices"][0]["token_ids"]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+    assert chunks[0]["prompt_token_ids"] == whole["prompt_token_ids"]
+
+
+def test_max_tokens_defaulted_and_capped(client):
+    default = complete(client, ignore_eos=True).json()
+    assert default["usage"]["completion_tokens"] == 4
+    capped = complete(client, ignore_eos=True, max_tokens=1000).json()
+    assert capped["usage"]["completion_tokens"] == 6
+
+
+@pytest.mark.parametrize(
+    ("path", "content", "status", "code"),
+    [
+        ("/v1/completions", b"{not json", 400, None),
+        ("/v1/completions", b"\xff\xfe", 400, None),
+        ("/v1/completions", b"[1, 2]", 400, None),
+        ("/v1/completions", json.dumps({"prompt": 5}).encode(), 400, None),
+        ("/v1/completions", json.dumps({"prompt": "x", "n": 3}).encode(), 400, None),
+        ("/v1/completions", json.dumps({"prompt": [10**6]}).encode(), 400, None),
+        ("/v1/completions", json.dumps({"prompt": "x", "model": "gpt-9"}).encode(), 404, "model_not_found"),
+        ("/v1/completions", json.dumps({"prompt": "x" * 4200}).encode(), 400, "context_length_exceeded"),
+        ("/v1/completions", json.dumps({"prompt": "x", "min_tokens": 5, "max_tokens": 2}).encode(), 400, None),
+        ("/v1/chat/completions", json.dumps({"messages": []}).encode(), 400, None),
+        ("/v1/chat/completions", json.dumps({"messages": [{"role": "robot", "content": "x"}]}).encode(), 400, None),
+        ("/v1/completions", b'{"prompt": "' + b"x" * (5 * 1024 * 1024) + b'"}', 413, None),
+    ],
+)
+def test_bad_requests_get_openai_errors(client, path, content, status, code):
+    r = client.post(path, content=content, headers={"content-type": "application/json"})
+    assert_openai_error(r, status, code)
+    assert r.headers.get("x-request-id")
+
+
+def test_unknown_route_and_method(client):
+    assert_openai_error(client.get("/v1/nothing"), 404)
+    assert_openai_error(client.get("/v1/completions"), 405)
+    models = client.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["tiny"]
+
+
+def test_profile_controls_client_override(client):
+    long = "x-pd-mode is ignored for locked workloads " * 2
+    locked = complete(client, long, headers={"x-workload": "locked", "x-pd-mode": "disagg"})
+    assert (locked.headers["x-pd-route"], locked.headers["x-pd-reason"]) == ("local", "profile")
+    rag = complete(client, "hi", headers={"x-workload": "rag"})
+    assert (rag.headers["x-pd-route"], rag.headers["x-pd-reason"]) == ("disagg", "profile")
+    unknown = complete(client, "hi", headers={"x-workload": "no-such-workload", "x-pd-mode": "disagg"})
+    assert unknown.headers["x-pd-reason"] == "forced"  # default profile allows the override
+
+
+def test_admin_auth_and_toggle_reaches_every_router_within_2s(client):
+    assert_openai_error(client.get("/admin/workloads"), 401)
+    assert_openai_error(client.get("/admin/workloads", headers={"authorization": "Bearer nope"}), 401)
+    auth = {"authorization": f"Bearer {TOKEN}"}
+    listed = client.get("/admin/workloads", headers=auth).json()
+    assert listed["workloads"]["rag"]["mode"] == "disagg"
+    assert_openai_error(client.put("/admin/workloads/rag", json={"mode": "local"}, headers=auth), 400)
+    profile = {"mode": "local", "min_remote_prefill_tokens": 1, "max_prefill_queue": 1,
+               "allow_client_override": False}
+    changed_at = time.monotonic()
+    r = client.put("/admin/workloads/rag", json=profile, headers=auth)
+    assert r.status_code == 200 and r.json()["version"] > listed["version"]
+    time.sleep(max(0.0, 2.0 - (time.monotonic() - changed_at)))
+    reasons = {(complete(client, "hi", headers={"x-workload": "rag"}).headers["x-pd-route"]) for _ in range(8)}
+    assert reasons == {"local"}  # both router replicas apply it
+    assert client.get("/admin/workloads", headers=auth).json()["workloads"]["rag"] == {**profile, "deadline_s": None}
+
+
+def test_metrics_show_every_name_after_traffic(client):
+    complete(client, "metrics traffic prompt, long enough to go remote " * 2, headers={"x-pd-mode": "disagg"})
+    with client.stream("POST", "/v1/completions", json={"prompt": "s", "stream": True, "max_tokens": 3,
+                                                        "ignore_eos": True}) as r:
+        list(r.iter_lines())
+    deadline = time.monotonic() + 10
+    while True:
+        text = client.get("/metrics").text
+        samples = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line.startswith("pdc_")}
+        missing = [n for n in METRIC_NAMES if not any(s == n or s.startswith(n + "_") for s in samples)]
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    assert not missing, f"missing from /metrics: {missing}"
+    assert 'pool="decode"' in text and 'pool="prefill"' in text
+    assert not any(s.startswith("pdc_") and s.split("_")[1] not in
+                   ("time", "inter", "e2e", "route", "kv", "prefix", "num") for s in samples)
+
+
+@pytest.fixture()
+def unplaced_app(ray_cluster, tiny_model_dir, tmp_path, client):
+    """Deploys an app whose chosen pools can never be placed; yields (client, deploy)."""
+    from ray import serve
+
+    from cluster.app import build_app
+
+    serve.delete(APP)  # free the CPUs of the main app (the last tests to use it ran above)
+    token = tmp_path / "admin"
+    token.write_text(TOKEN)
+    names = []
+
+    def deploy(name, **overrides):
+        config = _config(tiny_model_dir, token, router={"num_replicas": 1, "num_cpus": 0}, **overrides)
+        serve._run(build_app(config), _blocking=False, name=name, route_prefix="/")
+        names.append(name)
+
+    with httpx.Client(base_url=f"http://127.0.0.1:{ray_cluster['http_port']}", timeout=60) as c:
+        yield c, deploy
+    for name in names:
+        serve.delete(name)
+
+
+def test_health_degraded_without_prefill_then_503_without_any(unplaced_app):
+    from ray import serve
+
+    client, deploy = unplaced_app
+    deploy("pdc-no-prefill", prefill=NOWHERE)
+    r = _wait_health(client, lambda r: r.status_code == 200)
+    assert r.json()["status"] == "degraded"
+    assert r.json()["pools"]["prefill"]["status"] == "down"
+    done = complete(client, "a long prompt that wants a prefill replica " * 2, headers={"x-pd-mode": "disagg"})
+    assert done.status_code == 200
+    assert (done.headers["x-pd-route"], done.headers["x-pd-reason"]) == ("local", "prefill-unhealthy")
+    serve.delete("pdc-no-prefill")
+
+    deploy("pdc-no-workers", prefill=NOWHERE, decode=NOWHERE)
+    r = _wait_health(client, lambda r: r.status_code == 503 and "error" not in r.json())
+    assert r.json()["status"] == "unavailable"
+    assert_openai_error(complete(client), 503)
