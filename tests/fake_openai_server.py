@@ -54,7 +54,14 @@ def build_app(timing: FakeTiming):
     from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
 
-    state = {"count": 0, "in_flight": 0, "max_in_flight": 0, "arrivals": [], "finished": 0}
+    state = {"count": 0, "in_flight": 0, "max_in_flight": 0, "arrivals": [], "finished": 0, "loop_lags": []}
+    watcher: list[asyncio.Task] = []
+
+    async def watch_loop_lag() -> None:  # how late timers fire: this process's CPU starvation
+        while True:
+            due = time.perf_counter() + 0.01
+            await asyncio.sleep(0.01)
+            state["loop_lags"].append(max(0.0, time.perf_counter() - due))
 
     def chunk(body: dict, chat: bool, text: str | None, usage: dict | None = None, role: bool = False) -> str:
         if chat:
@@ -71,6 +78,8 @@ def build_app(timing: FakeTiming):
 
     async def generate(request: Request, chat: bool):
         arrived = time.perf_counter()
+        if not watcher:
+            watcher.append(asyncio.create_task(watch_loop_lag()))
         body = await request.json()
         state["count"] += 1
         number = state["count"]
@@ -137,10 +146,12 @@ def build_app(timing: FakeTiming):
         return JSONResponse({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
 
     async def stats(request: Request):
-        return JSONResponse({k: v for k, v in state.items()})
+        lags = sorted(state["loop_lags"]) or [0.0]
+        lag_ms = {f"p{q}": 1000 * lags[min(len(lags) - 1, int(q / 100 * len(lags)))] for q in (50, 90, 99)}
+        return JSONResponse({**{k: v for k, v in state.items() if k != "loop_lags"}, "loop_lag_ms": lag_ms})
 
     async def reset(request: Request):
-        state.update(count=0, in_flight=0, max_in_flight=0, arrivals=[], finished=0)
+        state.update(count=0, in_flight=0, max_in_flight=0, arrivals=[], finished=0, loop_lags=[])
         return JSONResponse({"ok": True})
 
     return Starlette(routes=[

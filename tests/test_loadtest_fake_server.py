@@ -43,16 +43,27 @@ def run(server, tmp_path, **kwargs):
     return summary, read_records(config.out_dir)
 
 
+def starvation_ms(summary, server) -> float:
+    """How late both processes' timers fired (p90). On a machine with more runnable work
+    than cores every hop between the two event loops is late by about this, and a request
+    makes several (connect, send, headers, first chunk) before its first token."""
+    return summary.env["client_loop_lag_ms"]["p90"] + server.stats()["loop_lag_ms"]["p90"]
+
+
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_open_loop_timing_matches_the_truth(server, tmp_path, fixed_workload, endpoint):
+    server.reset()
     s, records = run(server, tmp_path, workload=fixed_workload, endpoint=endpoint, rate=20.0, num_requests=50)
     assert s.requests == {"completed": 50, "failed": 0}
     # The server never answers early, so TTFT has a hard floor; the chat stream's role-only
     # chunk comes at once, and counting it would give TTFT ~1 ms.
     assert all(r.ttft_s * 1000 >= 0.98 * TTFT_MS for r in records)
-    assert near(s.ttft_ms["p50"], TTFT_MS, abs_ms=10) and near(s.ttft_ms["mean"], TTFT_MS, rel=0.5, abs_ms=10)
-    assert near(s.tpot_ms["mean"], TPOT_MS, abs_ms=1.0) and near(s.itl_ms["p50"], TPOT_MS, abs_ms=1.0)
-    assert near(s.e2e_ms["p50"], TTFT_MS + (OUTPUT_LEN - 1) * TPOT_MS, abs_ms=10)
+    slack = 10.0 + 4 * starvation_ms(s, server)
+    assert near(s.ttft_ms["p50"], TTFT_MS, abs_ms=slack)
+    assert near(s.e2e_ms["p50"], TTFT_MS + (OUTPUT_LEN - 1) * TPOT_MS, abs_ms=slack)
+    # Gaps: a late chunk shortens the next gap, so the mean of the gaps stays close.
+    assert near(s.tpot_ms["mean"], TPOT_MS, abs_ms=1.0) and near(s.itl_ms["mean"], TPOT_MS, abs_ms=1.0)
+    assert near(s.itl_ms["p50"], TPOT_MS, abs_ms=1.0 + slack / 10)
     assert all(len(r.itl_s) == OUTPUT_LEN - 1 and r.completion_tokens == OUTPUT_LEN for r in records)
     assert s.env["prompt_format"] == ("token_ids" if endpoint == "completions" else "text")
     assert s.rate["achieved"] == pytest.approx(s.env["schedule_rate"], rel=0.1)

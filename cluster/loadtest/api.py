@@ -3,7 +3,6 @@ the pieces the sweep and the distributed runner share."""
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import platform
 import secrets
@@ -19,8 +18,8 @@ from cluster.loadtest.client import (
     probe,
 )
 from cluster.loadtest.config import LoadTestConfig
-from cluster.loadtest.metrics import Summary, schedule_lag_ms, summarize
-from cluster.loadtest.runner import OnRecord, Plan, build_plan, execute
+from cluster.loadtest.metrics import Summary, latency_block, schedule_lag_ms, summarize
+from cluster.loadtest.runner import OnRecord, Plan, build_plan, execute, run_sync
 
 
 @dataclass
@@ -51,7 +50,7 @@ def open_session(config: LoadTestConfig) -> Session:
                 caps = await probe(http, target, config.prompt_format)
             return Session(target, caps, models)
 
-    return asyncio.run(go())
+    return run_sync(go())
 
 
 def _first_model_id(models: dict | None) -> str | None:
@@ -61,16 +60,18 @@ def _first_model_id(models: dict | None) -> str | None:
         return None
 
 
-def run_plan(config: LoadTestConfig, session: Session, plan: Plan, on_record: OnRecord | None = None) -> list[RequestRecord]:
+def run_plan(config: LoadTestConfig, session: Session, plan: Plan, on_record: OnRecord | None = None,
+             loop_lags_s: list[float] | None = None) -> list[RequestRecord]:
     """Run one plan, in this process or over `config.clients` Ray actors."""
     if config.clients > 1:
         from cluster.loadtest.distributed import run_distributed
 
-        return run_distributed(plan, session.target, session.caps, config.clients, on_record)
-    return asyncio.run(execute(plan, session.target, session.caps, on_record=on_record))
+        return run_distributed(plan, session.target, session.caps, config.clients, on_record, loop_lags_s)
+    return run_sync(execute(plan, session.target, session.caps, on_record=on_record, loop_lags_s=loop_lags_s))
 
 
-def environment(config: LoadTestConfig, session: Session, plan: Plan | None, records: list[RequestRecord]) -> dict:
+def environment(config: LoadTestConfig, session: Session, plan: Plan | None, records: list[RequestRecord],
+                loop_lags_s: list[float] | None = None) -> dict:
     """What a reader needs to reproduce the run. Header values are left out (API keys)."""
     import httpx
 
@@ -91,6 +92,7 @@ def environment(config: LoadTestConfig, session: Session, plan: Plan | None, rec
         "header_names": sorted(config.request_headers()),
         "schedule_rate": _schedule_rate(plan),
         "schedule_lag_ms": schedule_lag_ms(records),
+        "client_loop_lag_ms": latency_block(loop_lags_s) if loop_lags_s else None,
         "server_models": session.models,
         "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(),
@@ -132,12 +134,14 @@ def run_loadtest(config: LoadTestConfig, on_record: OnRecord | None = None) -> S
 
         progress = LiveProgress(_expected_count(config, plan), config.duration_s)
         on_record = progress.update
+    loop_lags_s: list[float] = []
     try:
-        records = run_plan(config, session, plan, on_record)
+        records = run_plan(config, session, plan, on_record, loop_lags_s)
     finally:
         if progress is not None:
             progress.close()
-    summary = summarize(records, config.slo, plan.target_rate, environment(config, session, plan, records))
+    env = environment(config, session, plan, records, loop_lags_s)
+    summary = summarize(records, config.slo, plan.target_rate, env)
     if config.out_dir is not None:
         from cluster.loadtest.report import write_report
 

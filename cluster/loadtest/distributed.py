@@ -25,16 +25,17 @@ class LoadClient:
         return True
 
     async def run(self, plan: Plan, target: Target, caps: Caps, start_at: float, client_id: int,
-                  num_clients: int) -> list[dict]:
+                  num_clients: int) -> dict:
         from cluster.loadtest.runner import execute
 
         base = time.perf_counter() + (start_at - time.time())
-        records = await execute(plan, target, caps, base, client_id, num_clients)
-        return [r.to_json() for r in records]
+        lags: list[float] = []
+        records = await execute(plan, target, caps, base, client_id, num_clients, loop_lags_s=lags)
+        return {"records": [r.to_json() for r in records], "loop_lags_s": lags}
 
 
 def run_distributed(plan: Plan, target: Target, caps: Caps, num_clients: int,
-                    on_record: OnRecord | None = None) -> list[RequestRecord]:
+                    on_record: OnRecord | None = None, loop_lags_s: list[float] | None = None) -> list[RequestRecord]:
     import ray
 
     if not ray.is_initialized():
@@ -46,7 +47,10 @@ def run_distributed(plan: Plan, target: Target, caps: Caps, num_clients: int,
         start_at = time.time() + START_DELAY_S
         refs = [a.run.remote(plan.for_client(k, num_clients), target, caps, start_at, k, num_clients)
                 for k, a in enumerate(actors)]
-        records = [RequestRecord.from_json(row) for rows in ray.get(refs) for row in rows]
+        results = ray.get(refs)
+        records = [RequestRecord.from_json(row) for result in results for row in result["records"]]
+        if loop_lags_s is not None:
+            loop_lags_s.extend(lag for result in results for lag in result["loop_lags_s"])
     finally:
         for actor in actors:
             ray.kill(actor)

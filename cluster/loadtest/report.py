@@ -122,6 +122,10 @@ def summary_lines(summary: Summary) -> list[str]:
     ]
     if s.errors:
         lines.append(f"errors: {', '.join(f'{k} {v}' for k, v in sorted(s.errors.items()))}")
+    lag = (s.env.get("client_loop_lag_ms") or {}).get("p99")
+    if lag is not None and lag > 20:
+        lines.append(f"warning: the load generator was short of CPU (event-loop lag p99 {lag:.0f} ms); its latencies "
+                     "may read high by about that much: try --clients K or a quieter machine")
     sweep = s.env.get("sweep")
     if sweep:
         lines.append(f"sweep: saturation {_fmt(sweep['saturation_rps'])} req/s, highest rate meeting the SLO "

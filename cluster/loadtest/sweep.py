@@ -26,8 +26,9 @@ def _point(config: LoadTestConfig, session, rate: float | None, concurrency: int
     point_config = replace(config, sweep=False, rate=rate, concurrency=concurrency, progress=False,
                            out_dir=None if config.out_dir is None else Path(config.out_dir) / "points" / name)
     plan = build_plan(point_config)
-    records = run_plan(point_config, session, plan)
-    summary = summarize(records, config.slo, plan.target_rate, environment(point_config, session, plan, records))
+    lags: list[float] = []
+    records = run_plan(point_config, session, plan, loop_lags_s=lags)
+    summary = summarize(records, config.slo, plan.target_rate, environment(point_config, session, plan, records, lags))
     if point_config.out_dir is not None:
         from cluster.loadtest.report import write_report
 
