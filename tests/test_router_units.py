@@ -270,3 +270,44 @@ def test_admin_profile_must_be_full_and_valid():
         with pytest.raises(APIError) as info:
             parse_profile("rag", body)
         assert info.value.status == 400 and info.value.param == param
+
+
+# ---- replica pinning and API keys --------------------------------------------------
+
+
+class _Replica:
+    def __init__(self, unique_id):
+        self.replica_id = type("RID", (), {"unique_id": unique_id})()
+
+
+class _Pending:
+    def __init__(self, target):
+        self.args = [type("Req", (), {"target_replica": target})()]
+        self.kwargs = {}
+
+
+def test_target_replica_router_pins_or_falls_back():
+    import asyncio
+
+    from router.replica_router import TargetReplicaRouter
+
+    replicas = [_Replica("a"), _Replica("b")]
+    choose = TargetReplicaRouter.choose_replicas
+    assert asyncio.run(choose(None, replicas, _Pending("b"))) == [[replicas[1]]]
+    assert asyncio.run(choose(None, replicas, _Pending("gone"))) == [replicas]
+    assert asyncio.run(choose(None, replicas, _Pending(None))) == [replicas]
+    assert asyncio.run(choose(None, replicas, None)) == [replicas]
+
+
+def test_api_keys_file(tmp_path):
+    from router.api_keys import ApiKeys
+
+    assert ApiKeys.load(None) is None
+    path = tmp_path / "keys.yaml"
+    path.write_text("keys:\n  sk-a: {tenant: a, workload: rag}\n")
+    keys = ApiKeys.load(path)
+    assert keys.check("Bearer sk-a").workload == "rag"
+    for header in (None, "Bearer sk-b", "sk-a"):
+        with pytest.raises(APIError) as info:
+            keys.check(header)
+        assert info.value.status == 401
