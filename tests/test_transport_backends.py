@@ -40,12 +40,12 @@ def send_transfers(backend: str, jobs: list[tuple[str, str, int, int]], results,
     sinks = [sender.open(tid, addr, LAYOUT) for tid, addr, _, _ in jobs]
     layers = [synthetic_layers(LAYOUT, n, seed) for _, _, n, seed in jobs]
     for layer_idx in range(LAYOUT.num_layers):
-        for sink, kv in zip(sinks, layers):
+        for sink, kv in zip(sinks, layers, strict=True):
             sink.on_layer(layer_idx, kv[layer_idx])
         if layer_idx + 1 == die_after_layers:
             time.sleep(0.2)  # let the layers leave, then die without a word
             os._exit(3)
-    for sink, (_, _, _, seed) in zip(sinks, jobs):
+    for sink, (_, _, _, seed) in zip(sinks, jobs, strict=True):
         sink.on_complete(seed)
     for sink in sinks:
         try:
@@ -100,7 +100,7 @@ def test_concurrent_transfers_between_processes(backend):
             assert order == list(range(LAYOUT.num_layers))
             targets[rx].commit(res)
         assert collect(results, 10) == {tid: "ok" for tid in reservations}
-        for rx, target in zip(receivers, targets):
+        for rx, target in zip(receivers, targets, strict=True):
             target.check_integrity()
             assert target.num_free_blocks == 64 and not rx.pending_ids()
             path = {"zmq": "inline", "shm": "shm", "nccl": "pg"}[backend]

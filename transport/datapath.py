@@ -52,16 +52,17 @@ class SendPath(ABC):
     def payload(self, header: Header, kv: torch.Tensor) -> list:
         """Fill `header.checksum`/`extra`; return frames to send after the header."""
 
-    def after_send(self, header: Header, kv: torch.Tensor) -> None:
+    def after_send(self, header: Header, kv: torch.Tensor) -> None:  # noqa: B027 - optional hook
         """Runs once the header is queued (out-of-band sends happen here)."""
 
-    def on_release(self, header: Header) -> None:
+    def on_release(self, header: Header) -> None:  # noqa: B027 - optional hook
         """The receiver is done with a payload's resources."""
 
-    def on_transfer_end(self, transfer_id: str) -> None:
+    def on_transfer_end(self, transfer_id: str) -> None:  # noqa: B027 - optional hook
         """A transfer resolved; free anything it still holds."""
 
-    def close(self) -> None: ...
+    def close(self) -> None:  # noqa: B027 - optional hook
+        return None
 
 
 class RecvPath(ABC):
@@ -80,7 +81,8 @@ class RecvPath(ABC):
     def on_hello(self, peer: bytes, header: Header, reply: Reply) -> None:
         raise TransferCorrupt(f"{self.name} path has no handshake", "malformed")
 
-    def close(self) -> None: ...
+    def close(self) -> None:  # noqa: B027 - optional hook
+        return None
 
 
 def _noop() -> None:
