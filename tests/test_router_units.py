@@ -311,3 +311,71 @@ def test_api_keys_file(tmp_path):
         with pytest.raises(APIError) as info:
             keys.check(header)
         assert info.value.status == 401
+
+
+# ---- SSE framing -------------------------------------------------------------------
+
+
+class _FakeStream:
+    def __init__(self, chunks):
+        self.chunks = list(chunks)
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self.chunks:
+            raise StopAsyncIteration
+        return self.chunks.pop(0)
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def _run_stream(chunks, include_usage=True):
+    import asyncio
+
+    from router import dispatch, streaming
+    from router.planner import RoutePlan
+    from router.policy import RouteDecision
+    from router.responses import ResponseShape
+
+    view = ClusterView(16, 8)
+    plan = RoutePlan("decode", "d1", None, RouteDecision("local", "short-prompt"), 0)
+    view.begin(plan)
+    stream = _FakeStream(chunks[1:])
+    call = dispatch.Call(plan, stream, chunks[0], view)
+    timing = streaming.Timing(metrics.RouterMetrics("tiny"), "local", "default", 0.0)
+
+    async def consume():
+        return [e async for e in streaming.stream_sse(call, ResponseShape("completion", "r1", "tiny"),
+                                                      [1, 2], include_usage, timing)]
+
+    events = "".join(asyncio.run(consume()))
+    assert view.inflight == {}  # the call was released
+    return events, stream
+
+
+def test_sse_error_after_start_is_one_event_then_done():
+    from workers.protocol import GenerateChunk
+
+    error = {"message": "deadline", "type": "timeout_error", "param": None, "code": "deadline_exceeded"}
+    events, stream = _run_stream([GenerateChunk(token_ids=[5], text="a", route="local", reason="short-prompt"),
+                                  GenerateChunk(finished=True, finish_reason="error", error=error)])
+    frames = [f for f in events.split("\n\n") if f]
+    assert json.loads(frames[0].removeprefix("data: "))["choices"][0]["text"] == "a"
+    assert json.loads(frames[1].removeprefix("data: ")) == {"error": error}
+    assert frames[2:] == ["data: [DONE]"]
+    assert stream.cancelled  # the worker call is cancelled, not left running
+
+
+def test_sse_usage_chunk_then_done():
+    from workers.protocol import GenerateChunk
+
+    events, _ = _run_stream([GenerateChunk(token_ids=[5], text="a", route="local"),
+                             GenerateChunk(token_ids=[6], text="b", finished=True, finish_reason="length")])
+    frames = [f.removeprefix("data: ") for f in events.split("\n\n") if f]
+    assert frames[-1] == "[DONE]"
+    assert json.loads(frames[-2])["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
+    assert json.loads(frames[-3])["choices"][0]["finish_reason"] == "length"
