@@ -12,7 +12,8 @@ def transport_config(config: ClusterConfig, key: str | None):
     t = config.transport
     key = key or config.secrets.transport_key()
     fields = dict(backend=t.backend, host=t.host, port=t.port, connect_timeout_s=t.connect_timeout_s,
-                  transfer_timeout_s=t.transfer_timeout_s, reservation_ttl_s=t.transfer_timeout_s)
+                  transfer_timeout_s=t.transfer_timeout_s, reservation_ttl_s=t.transfer_timeout_s,
+                  node_id=_ray_node_id())
     if t.key_file and not key:
         fields["key_file"] = t.key_file
     elif key:
@@ -34,3 +35,14 @@ def make_sender(config: ClusterConfig, key: str | None):
     except ImportError:
         from transport.zmq_backend import ZmqSender as build
     return build(transport_config(config, key))
+
+
+def _ray_node_id() -> str | None:
+    """Ray's node id as the transport's node identity: shared memory only between replicas
+    of one Ray node (several raylets on one machine, as in multi-node tests, use TCP)."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    except Exception:  # noqa: BLE001 - outside Ray
+        return None
