@@ -19,6 +19,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from workers.faults import FaultSettings
+
 Mode = Literal["auto", "disagg", "local"]
 DEFAULT_MODEL_CACHE = Path(os.environ.get("PDC_MODEL_CACHE", Path.home() / ".cache" / "pdcluster"))
 
@@ -180,6 +182,35 @@ class LimitsConfig(_Strict):
         return self
 
 
+class AdmissionSettings(_Strict):
+    """Per router replica: how many requests run at once and how many may wait for a slot
+    (interactive before batch); beyond that, or after `queue_timeout_s` queued, a 429 with
+    `Retry-After`. Per-tenant rate and concurrency quotas come from the API keys file
+    (router/tenants.py)."""
+
+    max_concurrent_requests: int = Field(default=256, ge=1)
+    max_queued_requests: int = Field(default=512, ge=0)
+    queue_timeout_s: float = Field(default=30.0, gt=0)
+
+
+class TLSSettings(_Strict):
+    """HTTPS for the ingress (Serve's proxy `http_options`); both files or neither."""
+
+    certfile: str | None = None
+    keyfile: str | None = None
+    keyfile_password_env: str | None = None  # the variable holding the key's password, if any
+
+    @model_validator(mode="after")
+    def _both_or_neither(self) -> TLSSettings:
+        if (self.certfile is None) != (self.keyfile is None):
+            raise ValueError("set both certfile and keyfile, or neither")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.certfile is not None
+
+
 class SecretsConfig(_Strict):
     """Where each secret comes from: a file path here, else the named environment variable."""
 
@@ -225,6 +256,9 @@ class ClusterConfig(_Strict):
     workloads: dict[str, WorkloadProfile] = Field(default_factory=_default_workloads)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     secrets: SecretsConfig = Field(default_factory=SecretsConfig)
+    admission: AdmissionSettings = Field(default_factory=AdmissionSettings)  # reliability (issue 6)
+    tls: TLSSettings = Field(default_factory=TLSSettings)
+    faults: FaultSettings = Field(default_factory=FaultSettings)  # test-only; off unless enabled
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
     @field_validator("workloads")
