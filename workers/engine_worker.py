@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from cluster.config import ClusterConfig, load_config
+from workers import invariants
 from workers.async_engine import AsyncEngine, DeadlineExceeded, EngineDeadError
+from workers.faults import FaultState
 from workers.metrics import WorkerMetrics
 from workers.protocol import GenerateChunk, GenerateRequest
 
@@ -38,6 +40,7 @@ class EngineWorker:
         self.num_inflight = 0
         self._heartbeat_task: asyncio.Task | None = None
         self._closed = False
+        self.faults = FaultState(self.config.faults)  # inert unless the config enables it
 
     def _build_engine(self):
         import torch
@@ -83,6 +86,14 @@ class EngineWorker:
         """For tests and the fault suite: the engine's invariants hold and nothing leaked."""
         await self.engine.check_integrity()
         return await self.stats()
+
+    async def debug_state(self, probe=None) -> dict:  # noqa: ARG002 - `probe.target_replica` pins the replica
+        """Invariants plus every counter that must be zero when idle (workers/invariants.py)."""
+        return await invariants.debug_state(self)
+
+    def set_faults(self, spec: dict, probe=None) -> dict:  # noqa: ARG002 - as above
+        """Switch the injected fault; refused unless the config's `faults.enabled`."""
+        return self.faults.set(spec)
 
     # ---- generation ------------------------------------------------------------------
 

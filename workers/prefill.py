@@ -13,6 +13,7 @@ from ray import serve
 
 from workers.engine.sampling_params import SamplingParams
 from workers.engine_worker import EngineWorker
+from workers.faults import wrap_sender
 from workers.kv_transport import make_sender
 from workers.protocol import PrefillRequest, PrefillResult
 
@@ -24,7 +25,7 @@ class PrefillWorker(EngineWorker):
 
     async def __init__(self, config, control_plane=None, transport_key: str | None = None) -> None:
         await super().__init__(config, control_plane)
-        self.sender = make_sender(self.config, transport_key)
+        self.sender = wrap_sender(make_sender(self.config, transport_key), self.faults)  # as is unless faults.enabled
         self.start_heartbeat()
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
