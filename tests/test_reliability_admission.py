@@ -1,0 +1,171 @@
+"""Admission and tenants without Ray: token buckets, per-tenant concurrency, the bounded
+priority queue (interactive before batch), timeouts, and the keys-file format."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from router.admission import Admission, TokenBucket, hold_until_sent
+from router.errors import APIError
+from router.tenants import Quota, Tenants
+
+KEYS = {
+    "keys": {
+        "sk-alpha": {"tenant": "alpha", "workload": "interactive"},
+        "sk-batch": {"tenant": "nightly", "workload": "batch"},
+        "sk-solo": {"tenant": "solo", "rate": 2, "concurrency": 1, "priority": "batch"},
+    },
+    "tenants": {"alpha": {"rate": 10, "burst": 20, "concurrency": 4},
+                "nightly": {"concurrency": 2, "priority": "batch"}},
+    "default": {"concurrency": 3},
+}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_keys_file_quotas_and_defaults():
+    t = Tenants.parse(KEYS)
+    assert t.quota("alpha") == Quota(10, 20, 4, "interactive")
+    assert t.quota("nightly") == Quota(None, None, 2, "batch")
+    assert t.quota("solo") == Quota(2, 2, 1, "batch")  # burst defaults to ceil(rate)
+    assert t.quota("stranger") == Quota(None, None, 3, "interactive")
+    halves = t.per_replica(2)
+    assert halves.quota("alpha") == Quota(5, 10, 2, "interactive")
+    assert halves.quota("solo").concurrency == 1  # never below one
+
+
+@pytest.mark.parametrize("bad, where", [
+    ({"keys": {"sk-x": {"tenant": "t", "rte": 1}}}, "<key of tenant t>.rte"),
+    ({"tenants": {"a": {"rate": -1}}}, "tenants.a.rate"),
+    ({"tenants": {"a": {"priority": "urgent"}}}, "tenants.a.priority"),
+    ({"quota": {}}, "quota"),
+])
+def test_keys_file_errors_name_the_field_never_the_key(bad, where):
+    with pytest.raises(ValueError) as e:
+        Tenants.parse(bad, "keys.yaml")
+    assert where in str(e.value) and "sk-x" not in str(e.value)
+
+
+def test_token_bucket_refills_at_rate():
+    b = TokenBucket(rate=2.0, burst=2, now=0.0)
+    assert b.take(0.0) == 0 and b.take(0.0) == 0
+    assert b.take(0.0) == pytest.approx(0.5)
+    assert b.take(0.5) == 0  # one token back after 1/rate
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_rate_limit_is_429_with_retry_after():
+    clock = Clock()
+
+    async def go():
+        adm = Admission(Tenants.parse(KEYS), 100, 10, 5.0, clock)
+        for _ in range(2):
+            (await adm.acquire("solo")).release()
+        with pytest.raises(APIError) as e:
+            await adm.acquire("solo")
+        assert e.value.status == 429 and int(e.value.headers["retry-after"]) >= 1
+        assert "rate" in e.value.message
+        clock.now += 0.6
+        (await adm.acquire("solo")).release()
+        assert adm.state() == {"num_running": 0, "num_queued": 0, "per_tenant": {}}
+
+    run(go())
+
+
+def test_tenant_concurrency_quota():
+    async def go():
+        adm = Admission(Tenants.parse(KEYS), 100, 10, 5.0)
+        held = [await adm.acquire("nightly") for _ in range(2)]
+        with pytest.raises(APIError) as e:
+            await adm.acquire("nightly")
+        assert e.value.status == 429 and e.value.code == "concurrency_limit_exceeded"
+        (await adm.acquire("alpha")).release()  # other tenants are not affected
+        held[0].release()
+        held[0].release()  # idempotent
+        (await adm.acquire("nightly")).release()
+        held[1].release()
+        assert adm.state()["per_tenant"] == {}
+
+    run(go())
+
+
+def test_interactive_before_batch_and_bounded_queue():
+    async def go():
+        adm = Admission(Tenants.parse(KEYS), 1, 3, 5.0)
+        running = await adm.acquire("alpha")
+        order: list[str] = []
+
+        async def queued(tenant):
+            ticket = await adm.acquire(tenant)
+            order.append(tenant)
+            await asyncio.sleep(0)
+            ticket.release()
+
+        tasks = [asyncio.create_task(queued(t)) for t in ("nightly", "solo", "alpha")]
+        await asyncio.sleep(0.01)
+        assert adm.num_queued == 3
+        with pytest.raises(APIError) as e:  # the queue holds 3
+            await adm.acquire("stranger")
+        assert e.value.status == 429 and e.value.headers["retry-after"] == "1"
+        running.release()
+        await asyncio.gather(*tasks)
+        assert order == ["alpha", "nightly", "solo"]  # interactive first, then FIFO
+        assert adm.state() == {"num_running": 0, "num_queued": 0, "per_tenant": {}}
+
+    run(go())
+
+
+def test_queue_timeout_and_client_leaving_while_queued():
+    async def go():
+        adm = Admission(Tenants.unlimited(), 1, 5, 0.2)
+        running = await adm.acquire(None)
+        with pytest.raises(APIError) as e:
+            await adm.acquire(None)
+        assert e.value.status == 429 and e.value.code == "server_overloaded"
+        leaver = asyncio.create_task(adm.acquire(None))
+        await asyncio.sleep(0.01)
+        leaver.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await leaver
+        running.release()
+        assert adm.state() == {"num_running": 0, "num_queued": 0, "per_tenant": {}}
+
+    run(go())
+
+
+def test_stream_holds_its_ticket_until_the_end():
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    async def go():
+        adm = Admission(Tenants.unlimited(), 4, 4, 1.0)
+        plain = hold_until_sent(JSONResponse({}), await adm.acquire(None))
+        assert plain.status_code == 200 and adm.num_running == 0
+
+        async def body():
+            yield b"a"
+            yield b"b"
+
+        streamed = hold_until_sent(StreamingResponse(body()), await adm.acquire(None))
+        assert adm.num_running == 1
+        assert [c async for c in streamed.body_iterator] == [b"a", b"b"]
+        assert adm.num_running == 0
+        never = hold_until_sent(StreamingResponse(body()), await adm.acquire(None))
+        assert adm.num_running == 1
+        del never  # a response that was never sent (client gone before the first byte)
+        import gc
+
+        gc.collect()
+        assert adm.num_running == 0
+
+    run(go())
