@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from ray import serve
 
 from cluster.config import ClusterConfig, WorkloadProfile, load_config
-from router import admin, dispatch, metrics, sse, streaming
+from router import admin, admission, dispatch, metrics, sse, streaming
 from router.api_keys import ApiKeys
 from router.errors import (
     bad_request,
@@ -35,6 +35,7 @@ from router.middleware import RequestIdMiddleware, read_json
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from router.planner import ClusterView
 from router.prompting import PromptBuilder
+from router.tenants import Tenants
 from router.responses import ResponseShape
 from router.workloads import Profiles, client_mode, view
 from workers.protocol import GenerateRequest
@@ -88,6 +89,10 @@ class Router:
         self.metrics = metrics.RouterMetrics(self.model)
         self.admin_token = self.config.secrets.admin_token()
         self.api_keys = ApiKeys.load(self.config.secrets.api_keys_path())
+        limits = self.config.admission  # quotas per router replica (router/admission.py)
+        self.admission = admission.Admission(
+            Tenants.load(self.config.secrets.api_keys_path()).per_replica(self.config.router.num_replicas),
+            limits.max_concurrent_requests, limits.max_queued_requests, limits.queue_timeout_s)
         self.source_id = f"router:{_replica_id()}"
         self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
 
@@ -142,6 +147,15 @@ class Router:
     async def _generate(self, request: Request, kind: str) -> Response:
         arrival = time.perf_counter()
         key = self._authenticate(request)
+        ticket = await self.admission.acquire(key.tenant if key else None)  # or 429
+        try:
+            response = await self._generate_admitted(request, kind, key, arrival)
+        except BaseException:
+            ticket.release()
+            raise
+        return admission.hold_until_sent(response, ticket)
+
+    async def _generate_admitted(self, request: Request, kind: str, key, arrival: float) -> Response:
         body = await read_json(request, self.config.router.max_body_bytes)
         req = _parse(kind, body)
         if req.model is not None and req.model != self.model:
