@@ -41,6 +41,17 @@ def ray_name(exposition_name: str) -> str:
     return RAY_PREFIX + exposition_name
 
 
+def ray_series_names(metric: MetricWrapperBase | MirroredMetric) -> tuple[str, ...]:
+    """The sample names Prometheus sees via Ray for one prometheus_client metric."""
+    metric = getattr(metric, "metric", metric)
+    base = ray_name(metric._name)
+    if metric._type == "counter":
+        return (base + "_total",)
+    if metric._type == "histogram":
+        return (base + "_bucket", base + "_sum", base + "_count")
+    return (base,)
+
+
 def mirror_into_ray(owner: object) -> object:
     """Make every prometheus_client metric attribute of `owner` also record into Ray.
 
