@@ -1,0 +1,52 @@
+"""The Serve app configs the demo and the cluster benchmark deploy.
+
+Every engine replica gets one torch thread and the same engine settings (equal
+`max_num_batched_tokens` everywhere), so a comparison differs only in how requests are
+placed: two replicas that each prefill and decode (colocated), or one prefill and one
+decode replica (disaggregated; `auto` lets the router decide per request).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# The chunked-prefill token budget of one engine step, the same in every deployment.
+MAX_NUM_BATCHED_TOKENS = 1024
+NUM_KV_BLOCKS = 2048  # 32k tokens per replica: never the limit in these workloads
+
+
+def app_args(preset: str, cache_dir: str | None, num_prefill: int, num_decode: int,
+             mode: str = "auto", *, min_remote_prefill_tokens: int = 256, max_prefill_queue: int = 2,
+             max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS) -> dict[str, Any]:
+    """`build_app` args: `num_prefill` + `num_decode` single-threaded engine replicas whose
+    default profile is `mode` and lets a client pick the mode with `x-pd-mode`."""
+    model: dict[str, Any] = {"preset": preset}
+    if cache_dir:
+        model["cache_dir"] = cache_dir
+    pool = {"num_cpus": 1.0, "torch_threads": 1}
+    return {
+        "model": model,
+        "engine": {"num_kv_blocks": NUM_KV_BLOCKS, "max_num_batched_tokens": max_num_batched_tokens},
+        "prefill": {**pool, "num_replicas": num_prefill},
+        "decode": {**pool, "num_replicas": num_decode},
+        "router": {"num_cpus": 0.5},
+        "transport": {"backend": "auto", "host": "127.0.0.1"},
+        "workloads": {"default": {"mode": mode, "allow_client_override": True,
+                                  "min_remote_prefill_tokens": min_remote_prefill_tokens,
+                                  "max_prefill_queue": max_prefill_queue}},
+        "log_level": "WARNING",
+    }
+
+
+def expected_pools(num_prefill: int, num_decode: int) -> dict[str, int]:
+    return {role: n for role, n in (("prefill", num_prefill), ("decode", num_decode)) if n}
+
+
+def ensure_preset(preset: str, cache_dir: str | None, log=print) -> str:
+    """Make the preset model once (first use), before replicas race to make it."""
+    from cluster.config import ModelConfig
+
+    model = ModelConfig(preset=preset, **({"cache_dir": cache_dir} if cache_dir else {}))
+    path = model.resolve_path()
+    log(f"model: {preset} preset at {path}")
+    return str(path)

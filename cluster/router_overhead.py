@@ -1,0 +1,88 @@
+"""What the router adds to TTFT: the same request sent over HTTP through the Serve proxy
+and the Router ingress, and straight to the decode deployment through a Serve handle.
+
+Both are sent one at a time from this process, alternating, each with its own random
+prompt (no prefix-cache hit on either path), so the difference of the two p50s is the
+cost of the HTTP hop, tokenisation-free routing and SSE framing."""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+import uuid
+
+import httpx
+
+
+def _prompt(rng: random.Random, prompt_len: int) -> list[int]:
+    return [rng.randrange(32, 127) for _ in range(prompt_len)]
+
+
+def http_ttft_s(http: httpx.Client, url: str, prompt: list[int], max_tokens: int) -> float:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0,
+            "ignore_eos": True}
+    start = time.perf_counter()
+    ttft = None
+    with http.stream("POST", f"{url}/v1/completions", json=body, headers={"x-pd-mode": "local"}) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if ttft is None and line.startswith("data:") and line[5:].strip() != "[DONE]":
+                choices = json.loads(line[5:]).get("choices") or [{}]
+                if choices[0].get("text") or choices[0].get("token_ids"):
+                    ttft = time.perf_counter() - start
+    if ttft is None:
+        raise RuntimeError("no content chunk over HTTP")
+    return ttft
+
+
+def handle_ttft_s(handle, prompt: list[int], max_tokens: int) -> float:
+    from workers.engine.sampling_params import SamplingParams
+    from workers.protocol import GenerateRequest
+
+    req = GenerateRequest(request_id=f"overhead-{uuid.uuid4().hex[:8]}", prompt_token_ids=prompt,
+                          params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                          seed=0, route="local", reason="forced")
+    start = time.perf_counter()
+    ttft = None
+    for chunk in handle.options(stream=True).generate.remote(req):
+        if ttft is None and (chunk.token_ids or chunk.text):
+            ttft = time.perf_counter() - start
+        if chunk.error is not None:
+            raise RuntimeError(f"decode replica error: {chunk.error}")
+    if ttft is None:
+        raise RuntimeError("no content chunk from the decode handle")
+    return ttft
+
+
+def measure(url: str, app_name: str, num_samples: int = 30, prompt_len: int = 64, max_tokens: int = 2,
+            num_warmup: int = 3, seed: int = 0) -> dict:
+    """p50/p90 TTFT of both paths and `router_overhead_ttft_p50_ms` (their p50 difference)."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("DecodeWorker", app_name=app_name)
+    rng = random.Random(seed)
+    via_router, direct = [], []
+    with httpx.Client(timeout=60) as http:
+        for i in range(num_warmup + num_samples):
+            pair = [("router", lambda: http_ttft_s(http, url, _prompt(rng, prompt_len), max_tokens)),
+                    ("direct", lambda: handle_ttft_s(handle, _prompt(rng, prompt_len), max_tokens))]
+            for name, call in pair if i % 2 else reversed(pair):
+                value = call()
+                if i >= num_warmup:
+                    (via_router if name == "router" else direct).append(value)
+                time.sleep(0.05)
+    router_p50, direct_p50 = _ms(statistics.median(via_router)), _ms(statistics.median(direct))
+    return {"num_samples": num_samples, "prompt_len": prompt_len, "max_tokens": max_tokens,
+            "router_ttft_p50_ms": router_p50, "direct_ttft_p50_ms": direct_p50,
+            "router_ttft_p90_ms": _ms(_p90(via_router)), "direct_ttft_p90_ms": _ms(_p90(direct)),
+            "router_overhead_ttft_p50_ms": round(router_p50 - direct_p50, 3)}
+
+
+def _p90(values: list[float]) -> float:
+    return sorted(values)[min(len(values) - 1, int(0.9 * len(values)))]
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000.0, 3)

@@ -1,0 +1,63 @@
+"""One load-test run of a `ClusterWorkload` against a deployed app, through the load
+tester's in-process API, and the figures the demo and the benchmark read from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from cluster.cluster_workloads import ClusterWorkload, request_class
+from cluster.loadtest.metrics import Summary, latency_block
+
+
+@dataclass
+class Run:
+    workload: ClusterWorkload
+    mode: str
+    out_dir: Path
+    summary: Summary
+    by_class: dict[str, dict]  # request class -> {"ttft_ms": block, "itl_ms": block, "n": N}
+
+    def figures(self) -> dict:
+        """The flat figures a benchmark keeps per run."""
+        s = self.summary
+        return {
+            "completed": s.requests["completed"], "failed": s.requests["failed"],
+            "ttft_p50_ms": s.ttft_ms["p50"], "ttft_p99_ms": s.ttft_ms["p99"],
+            "itl_p50_ms": s.itl_ms["p50"], "itl_p99_ms": s.itl_ms["p99"],
+            "tpot_p50_ms": s.tpot_ms["p50"], "e2e_p50_ms": s.e2e_ms["p50"],
+            "goodput_rps": s.goodput["requests_per_s"], "goodput_fraction": s.goodput["fraction"],
+            "throughput_rps": s.throughput["requests_per_s"],
+            "routes": dict(s.routes),
+            **{f"{name}_itl_p99_ms": block["itl_ms"]["p99"] for name, block in self.by_class.items()},
+            **{f"{name}_ttft_p50_ms": block["ttft_ms"]["p50"] for name, block in self.by_class.items()},
+        }
+
+
+def run_workload(url: str, workload: ClusterWorkload, mode: str, out_dir: Path, seed: int,
+                 progress: bool = False, plots: bool = False, trace_seed: int = 0) -> Run:
+    """Replay `workload` against `url` with `x-pd-mode: mode`; the report goes to `out_dir`.
+    `seed` picks the prompt bytes (give every run its own), `trace_seed` the lengths and
+    arrival times (keep it fixed so every run sends the same shape of traffic)."""
+    from cluster.loadtest.api import run_loadtest
+    from cluster.loadtest.config import LoadTestConfig
+    from cluster.loadtest.report import read_records
+
+    out_dir = Path(out_dir)
+    trace = workload.write_trace(out_dir / "trace.jsonl", trace_seed)
+    config = LoadTestConfig(url=url, out_dir=out_dir, workload=workload.name, trace=trace, seed=seed,
+                            mode=mode, slo=workload.slo, progress=progress, plots=plots,
+                            prompt_format="ids", timeout_s=300.0)
+    summary = run_loadtest(config)
+    return Run(workload, mode, out_dir, summary, class_blocks(read_records(out_dir)))
+
+
+def class_blocks(records) -> dict[str, dict]:
+    """TTFT and ITL per request class (`short`, `long`), from the run's records."""
+    groups: dict[str, list] = {}
+    for r in records:
+        groups.setdefault(request_class(r.request_id), []).append(r)
+    return {name: {"n": len(rs),
+                   "ttft_ms": latency_block([r.ttft_s for r in rs if r.ok and r.ttft_s is not None]),
+                   "itl_ms": latency_block([g for r in rs if r.ok for g in r.itl_s])}
+            for name, rs in sorted(groups.items())}
