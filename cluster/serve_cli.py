@@ -15,6 +15,8 @@ from pathlib import Path
 import typer
 
 from cluster.config import ClusterConfig, ConfigError, load_config
+from cluster.model_check import check_model_dir
+from cluster.tls import base_url, http_options
 
 APP_NAME = "pdcluster"
 log = logging.getLogger("pdcluster.serve")
@@ -32,6 +34,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         try:
             args = serve_args(config, model, host, port)
             cluster_config = load_config(args)
+            check_model_dir(cluster_config.model.resolve_path())  # a bad folder fails here, naming it
+            http_options(cluster_config)  # TLS files exist
         except ConfigError as e:
             typer.echo(str(e), err=True)
             raise typer.Exit(2) from None
@@ -63,9 +67,9 @@ def run_server(args: dict, config: ClusterConfig, stop: threading.Event | None =
         ray.init(address="local", num_cpus=_num_cpus(config), include_dashboard=False,
                  log_to_driver=False)
     try:
-        serve.start(http_options={"host": config.router.host, "port": config.router.port})
+        serve.start(http_options=http_options(config))  # host, port, TLS
         serve.run(build_app(args), name=APP_NAME, route_prefix="/", blocking=False)
-        url = f"http://{config.router.host}:{config.router.port}"
+        url = base_url(config)
         typer.echo(f"pdcluster serving {config.model.served_name} at {url} (Ctrl-C to stop)", err=True)
         stop.wait()
         typer.echo("stopping pdcluster ...", err=True)
