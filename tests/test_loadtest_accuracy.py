@@ -30,6 +30,7 @@ def test_accuracy_at_100_requests_per_second(tmp_path):
     with FakeServer(ttft_ms=TTFT_MS, tpot_ms=TPOT_MS) as server:
         s = run_loadtest(LoadTestConfig(url=server.url, out_dir=tmp_path / "run", workload=str(workload), rate=rate,
                                         num_requests=num_requests, clients=clients, plots=False))
+        server_lag = server.stats()["loop_lag_ms"]
     e2e_truth = TTFT_MS + (OUTPUT_LEN - 1) * TPOT_MS
     figures = {
         "achieved rate vs schedule": (s.rate["achieved"], s.env["schedule_rate"]),
@@ -43,7 +44,8 @@ def test_accuracy_at_100_requests_per_second(tmp_path):
         "E2E p50": (s.e2e_ms["p50"], e2e_truth),
     }
     print(f"\naccuracy at {rate:g} req/s, {num_requests} requests, {clients} client(s); "
-          f"schedule lag ms {s.env['schedule_lag_ms']}")
+          f"schedule lag ms {s.env['schedule_lag_ms']}\n"
+          f"event-loop lag ms: client {s.env['client_loop_lag_ms']}, server {server_lag}")
     print(f"{'figure':28} {'measured':>10} {'truth':>10} {'error':>8}")
     errors = {}
     for name, (measured, truth) in figures.items():

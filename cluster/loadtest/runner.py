@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
-from cluster.loadtest.client import Caps, RequestRecord, Target, make_http_client, send_request
+from cluster.loadtest.client import Caps, ClientShards, RequestRecord, Target, send_request
 from cluster.loadtest.config import LoadTestConfig
 from cluster.loadtest.schedule import gamma_arrivals, ramp_arrivals, trace_arrivals
 from cluster.loadtest.workloads import RequestSpec, iter_workload, request_from_row
@@ -87,9 +87,13 @@ def _trace_plan(config: LoadTestConfig) -> Plan:
 def run_sync(coro):
     """Run a coroutine on a fresh event loop: uvloop where installed (it ships with
     uvicorn[standard]; its cheaper I/O keeps the schedule accurate at high rates)."""
+    import os
+
     try:
         import uvloop
     except ImportError:
+        return asyncio.run(coro)
+    if os.environ.get("PDC_LOADTEST_UVLOOP", "1") == "0":
         return asyncio.run(coro)
     return uvloop.run(coro)
 
@@ -120,7 +124,7 @@ async def execute(
     """Run `plan` (already this client's share) with time 0 at `base` (perf_counter; by
     default just after the HTTP client is ready). Nothing is sent before time 0. The event
     loop's timer lag is appended to `loop_lags_s` if given."""
-    async with make_http_client() as http:
+    async with ClientShards() as http:
         if base is None:
             base = time.perf_counter() + 0.005
         await asyncio.sleep(max(0.0, base - time.perf_counter()))
@@ -135,8 +139,8 @@ async def execute(
     return sorted(records, key=lambda r: r.index)
 
 
-async def _send(http, target, caps, spec, record, base, on_record) -> RequestRecord:
-    await send_request(http, target, caps, spec, record, base)
+async def _send(http: ClientShards, target, caps, spec, record, base, on_record) -> RequestRecord:
+    await send_request(http.pick(record.index), target, caps, spec, record, base)
     if on_record is not None:
         on_record(record)
     return record
