@@ -59,13 +59,13 @@ def run_server(args: dict, config: ClusterConfig, stop: threading.Event | None =
 
     from cluster.app import build_app
 
-    stop = stop or _stop_on_signals()
     external = bool(os.environ.get("RAY_ADDRESS"))
     if external:
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
     else:
         ray.init(address="local", num_cpus=_num_cpus(config), include_dashboard=False,
                  log_to_driver=False)
+    stop = stop or _stop_on_signals()  # after ray.init, which installs its own handlers
     try:
         serve.start(http_options=http_options(config))  # host, port, TLS
         serve.run(build_app(args), name=APP_NAME, route_prefix="/", blocking=False)
