@@ -38,6 +38,7 @@ from router.prompting import PromptBuilder
 from router.tenants import Tenants
 from router.responses import ResponseShape
 from router.workloads import Profiles, client_mode, view
+from workers.engine_worker import resolve_model_path  # makes a preset once per node, under a lock
 from workers.protocol import GenerateRequest
 
 log = logging.getLogger("pdcluster.router")
@@ -82,7 +83,7 @@ class Router:
         self.handles = {k: h for k, h in (("decode", decode), ("prefill", prefill)) if h is not None}
         self.control_plane = control_plane
         self.model = self.config.model.served_name
-        self.prompts = PromptBuilder(self.config.model.resolve_path(), self.config.model.max_model_len)
+        self.prompts = PromptBuilder(resolve_model_path(self.config), self.config.model.max_model_len)
         engine = self.config.engine_for("decode")
         self.view = ClusterView(engine.block_size, engine.max_num_seqs, self.config.router.prefix_index_blocks)
         self.profiles = Profiles(0, dict(self.config.workloads))
