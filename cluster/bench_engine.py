@@ -51,11 +51,14 @@ class RunResult:
     name: str
     token_ids: list[list[int]]
     wall_s: float
+    # CPU seconds of the whole process (all threads): on a shared, loaded machine wall time
+    # swings with the neighbours, CPU time much less.
+    cpu_s: float
     extra: dict
 
     def summary(self, num_output_tokens: int) -> dict:
         return {"name": self.name, "tokens_per_s": round(num_output_tokens / self.wall_s, 2),
-                "wall_s": round(self.wall_s, 3), **self.extra}
+                "wall_s": round(self.wall_s, 3), "cpu_s": round(self.cpu_s, 3), **self.extra}
 
 
 def make_workload(cfg: BenchConfig) -> Workload:
@@ -71,10 +74,11 @@ def warmup_workload(workload: Workload) -> Workload:
     return Workload([p[:32] for p in workload.prompts[:4]], [4] * min(4, len(workload.prompts)))
 
 
-def _timed(fn: Callable[[], list[list[int]]]) -> tuple[list[list[int]], float]:
-    start = time.perf_counter()
+def _timed(fn: Callable[[], list[list[int]]]) -> tuple[list[list[int]], float, float]:
+    """The tokens, wall seconds and process CPU seconds of one call."""
+    start, cpu_start = time.perf_counter(), time.process_time()
     token_ids = fn()
-    return token_ids, time.perf_counter() - start
+    return token_ids, time.perf_counter() - start, time.process_time() - cpu_start
 
 
 # -- runners ---------------------------------------------------------------------------------
@@ -91,8 +95,7 @@ def run_engine(model_dir: Path, workload: Workload, cfg: BenchConfig) -> RunResu
         return [list(out.token_ids) for out in engine.generate(w.prompts, params)]
 
     generate(warmup_workload(workload))
-    token_ids, wall_s = _timed(lambda: generate(workload))
-    return RunResult("pdcluster", token_ids, wall_s, {})
+    return RunResult("pdcluster", *_timed(lambda: generate(workload)), {})
 
 
 def load_hf_model(model_dir: Path):
@@ -110,8 +113,7 @@ def run_hf_generate(model, workload: Workload, batch_size: int) -> RunResult:
         return out
 
     generate(warmup_workload(workload))
-    token_ids, wall_s = _timed(lambda: generate(workload))
-    return RunResult("hf_generate", token_ids, wall_s, {"batch_size": batch_size})
+    return RunResult("hf_generate", *_timed(lambda: generate(workload)), {"batch_size": batch_size})
 
 
 @torch.inference_mode()
@@ -140,8 +142,8 @@ def run_hf_continuous_batching(model, workload: Workload, cfg: BenchConfig) -> R
     with model.continuous_batching_context_manager(generation_config=gen_cfg, block=True, timeout=5,
                                                    continuous_batching_config=cb_cfg) as manager:
         _cb_generate(manager, warmup_workload(workload))
-        token_ids, wall_s = _timed(lambda: _cb_generate(manager, workload))
-    return RunResult("hf_continuous_batching", token_ids, wall_s, {})
+        timed = _timed(lambda: _cb_generate(manager, workload))
+    return RunResult("hf_continuous_batching", *timed, {})
 
 
 def _cb_generate(manager, w: Workload) -> list[list[int]]:
@@ -206,6 +208,8 @@ def report(cfg: BenchConfig, workload: Workload, engine: RunResult,
         "results": results,
         "ratios": {"vs_hf_generate": round(hf_gen.wall_s / engine.wall_s, 3),
                    "vs_hf_continuous_batching": round(hf_cb.wall_s / engine.wall_s, 3)},
+        "cpu_time_ratios": {"vs_hf_generate": round(hf_gen.cpu_s / engine.cpu_s, 3),
+                            "vs_hf_continuous_batching": round(hf_cb.cpu_s / engine.cpu_s, 3)},
         "identical_tokens": not any(found.values()),
         "mismatches": {k: v for k, v in found.items() if v},
         "workload": {"preset": cfg.preset, "num_requests": cfg.num_requests, "seed": cfg.seed,
