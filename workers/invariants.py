@@ -10,7 +10,16 @@ requests, open KV reservations, transfers the receiver still expects, request st
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Argument of `debug_state`/`set_faults` calls: the request router
+    (router/replica_router.py) sends the call to the replica it names."""
+
+    target_replica: str
 
 
 async def debug_state(worker) -> dict[str, Any]:
