@@ -167,6 +167,7 @@ def serve(timing: FakeTiming, port: int = 0) -> None:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", port))
+    sock.listen(2048)  # before READY: connections queue until uvicorn accepts them
     config = uvicorn.Config(build_app(timing), log_level="warning", access_log=False, lifespan="off",
                             timeout_keep_alive=30, backlog=2048)
     server = uvicorn.Server(config)

@@ -149,8 +149,7 @@ async def _send(http: ClientShards, target, caps, spec, record, base, on_record)
 async def _open_loop(plan, http, target, caps, base, client_id, num_clients, on_record) -> list[RequestRecord]:
     tasks = []
     for k, (spec, offset) in enumerate(zip(plan.specs, plan.offsets, strict=False)):
-        delay = base + offset - time.perf_counter()
-        if delay > 0:
+        while (delay := base + offset - time.perf_counter()) > 0:  # a timer may fire a little early
             await asyncio.sleep(delay)
         record = RequestRecord(client_id + k * num_clients, spec.request_id, spec.workload, offset, client_id=client_id)
         tasks.append(asyncio.create_task(_send(http, target, caps, spec, record, base, on_record)))
