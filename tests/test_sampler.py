@@ -124,3 +124,14 @@ def test_ignore_eos_keeps_eos_sampleable():
 def test_request_seed_uses_given_seed_or_draws_one():
     assert request_seed(SamplingParams(seed=5)) == 5
     assert request_seed(SamplingParams()) != request_seed(SamplingParams())
+
+
+def test_top_k_shortcut_matches_full_sort():
+    logits = _logits(4, seed=5)
+    top_k, top_p = [3, 10, 1, 7], [0.5, 1.0, 0.9, 0.95]
+    fast = apply_top_k_top_p(logits, top_k, top_p)
+    with_full_sort = apply_top_k_top_p(logits, [*top_k[:3], 0], [*top_p[:3], 1.0])
+    assert torch.equal(fast[:3], with_full_sort[:3])
+    assert (fast[3] > float("-inf")).sum() <= 7
+    kept = fast[1] > float("-inf")
+    assert set(kept.nonzero().flatten().tolist()) == set(logits[1].topk(10).indices.tolist())

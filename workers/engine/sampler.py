@@ -107,9 +107,18 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     k = [kk if 0 < kk < vocab_size else vocab_size for kk in top_k]
     if all(kk == vocab_size for kk in k) and all(p >= 1.0 for p in top_p):
         return logits
-    device = logits.device
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab_size, device=device).unsqueeze(0)
+    # Sorting a large vocabulary dominates the cost; when every row has a top-k, only the
+    # largest k candidates need sorting (topk returns them in order).
+    sorted_logits, order = (logits.topk(max(k), dim=-1) if max(k) < vocab_size
+                            else logits.sort(dim=-1, descending=True))
+    kept = restrict_sorted(sorted_logits, k, top_p)
+    return torch.full_like(logits, float("-inf")).scatter(1, order, kept)
+
+
+def restrict_sorted(sorted_logits: torch.Tensor, k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Top-k then top-p on logits sorted in descending order, per row."""
+    device = sorted_logits.device
+    ranks = torch.arange(sorted_logits.shape[1], device=device).unsqueeze(0)
     drop = ranks >= torch.tensor(k, device=device).unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
@@ -120,4 +129,4 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     limit = torch.tensor([p if p < 1.0 else float("inf") for p in top_p], device=device)
     drop |= mass_before >= limit.unsqueeze(1)
     drop[:, 0] = False
-    return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return sorted_logits.masked_fill(drop, float("-inf"))
