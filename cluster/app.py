@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from ray import serve
 from ray.serve import Application
 
 from cluster.config import ClusterConfig, PoolConfig, load_config

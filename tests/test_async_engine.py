@@ -57,7 +57,7 @@ def test_concurrent_streams_equal_offline(aengine, offline):
         return await asyncio.gather(*(collect(s) for s in streams))
 
     results = asyncio.run(main())
-    for (token_ids, text, last), want in zip(results, expected):
+    for (token_ids, _text, last), want in zip(results, expected, strict=True):
         assert token_ids == want
         assert last.finished and last.finish_reason in ("stop", "length")
         assert last.num_prompt_tokens > 0
