@@ -289,8 +289,12 @@ class ClusterConfig(_Strict):
         return self.model_copy(update={"model": self.model.model_copy(update={"path": str(path)})})
 
     def to_args(self) -> dict[str, Any]:
-        """Plain data for Serve `args` / `.bind(...)`: round-trips through `load_config`."""
-        return self.model_dump(mode="json")
+        """Plain data for Serve `args` / `.bind(...)`: round-trips through `load_config`.
+
+        Only the fields that were set: a default dumped back would count as set on
+        reload and trip the checks that tell "given" from "defaulted" (an autoscaled
+        pool must not also name `num_replicas`)."""
+        return self.model_dump(mode="json", exclude_unset=True)
 
 
 def load_config(source: str | Path | dict | ClusterConfig | None = None) -> ClusterConfig:

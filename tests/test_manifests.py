@@ -206,14 +206,7 @@ def test_serve_config_is_valid_and_parses_into_the_cluster_config(name, serve_co
 
 def _require_round_trip(config: ClusterConfig) -> None:
     """Replicas re-validate `config.to_args()`; it must load back to the same config."""
-    from cluster.config import ConfigError
-
-    try:
-        assert load_config(config.to_args()) == config
-    except ConfigError as e:
-        if "set num_replicas or autoscaling_config" in str(e):  # reported to the config owner
-            pytest.xfail(f"cluster/config.py: to_args() of an autoscaling pool does not load back: {e}")
-        raise
+    assert load_config(config.to_args()) == config
 
 
 def _build(args: dict) -> list:
