@@ -172,3 +172,22 @@ def test_decode_really_reads_the_imported_kv(make_engine):
     reservation = import_kv(decode, "t", prompt, sink)
     decode.commit_kv(reservation, "d", params, sink.first_token_id)
     assert finish(decode, "d").token_ids != local
+
+
+def test_refused_commit_frees_its_reservation(make_engine):
+    """A commit the engine refuses (here: prompt + max_tokens over the context) must not
+    strand the reserved blocks."""
+    prefill, decode = make_engine(), make_engine()
+    prompt = random_prompts([40], seed=3)[0]
+    sink = prefill_remotely(prefill, prompt, greedy(4), seed=1)
+    reservation = import_kv(decode, "t-refused", prompt, sink)
+    free_before = decode.stats()["kv_blocks_free"]
+    too_long = greedy(decode.runner.max_model_len)
+    try:
+        decode.commit_kv(reservation, "r", too_long, sink.first_token_id)
+    except ValueError as e:
+        assert "exceeds" in str(e)
+    else:
+        raise AssertionError("commit of an over-long request was accepted")
+    assert decode.stats()["kv_blocks_free"] > free_before
+    assert decode.stats()["kv_blocks_free"] == decode.stats()["kv_blocks_total"]

@@ -226,7 +226,11 @@ class LLMEngine:
             if missing and reservation.num_blocks_to_receive:
                 raise ValueError(f"transfer {reservation.transfer_id!r}: layers {sorted(missing)} not written")
             held = self.reservations.pop(reservation.transfer_id)
-            seq = self._new_sequence(request_id, held.prompt_token_ids, params, seed)
+            try:
+                seq = self._new_sequence(request_id, held.prompt_token_ids, params, seed)
+            except Exception:
+                self.block_manager.free(held)  # a refused commit must not strand its blocks
+                raise
             seq.block_ids, seq.num_hashed_blocks = held.block_ids, held.num_hashed_blocks
             seq.num_computed_tokens = seq.num_prompt_tokens
             seq.num_cached_tokens = held.num_cached_tokens
