@@ -113,7 +113,9 @@ def summary_lines(summary: Summary) -> list[str]:
     target = s.rate["target"]
     lines = [
         f"requests: {s.requests['completed']} completed, {s.requests['failed']} failed in {s.duration_s:.2f} s",
-        f"rate: target {_fmt(target)}/s, achieved {_fmt(s.rate['achieved'])}/s",
+        f"rate: target {_fmt(target)}/s"
+        + (f" (this seed's schedule: {_fmt(s.env['schedule_rate'])}/s)" if s.env.get("schedule_rate") else "")
+        + f", achieved {_fmt(s.rate['achieved'])}/s",
         f"throughput: {_fmt(s.throughput['requests_per_s'])} req/s, "
         f"{_fmt(s.throughput['output_tokens_per_s'])} output tok/s, {_fmt(s.throughput['total_tokens_per_s'])} total tok/s",
         f"goodput: {_fmt(s.goodput['requests_per_s'])} req/s ({100 * s.goodput['fraction']:.1f}% of requests) "
