@@ -7,9 +7,10 @@ a KubeRay RayService (`import_path: cluster.app:build_app` + `args`) and `pdclus
     Router ingress (HTTP)  -- picks a decode replica, decides the route ---------+
 
 `args` is the cluster config as a dict (or `{"config_file": PATH, ...overrides}`).
-Live settings travel as `user_config`, so a redeploy that only changes them reaches
-running replicas through `reconfigure` without a restart: the workload profiles (to the
-ControlPlane, which every router polls) and the log level (to every worker).
+Live settings travel as `user_config`: the workload profiles (to the ControlPlane, which
+every router polls) and the log level (to every worker). A redeploy that edits only a
+deployment's `user_config` reaches the running replicas through `reconfigure` without a
+restart; editing `args` changes the app's code version, so Serve replaces its replicas.
 """
 
 from __future__ import annotations
