@@ -17,9 +17,11 @@ Progress goes to stderr, the JSON object alone to stdout.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +43,8 @@ class BenchOptions:
     repeats: int = 3
     request_factor: float = 1.0
     prompt_factor: float = 1.0
+    rate_factor: float = 1.0
+    num_requests: int | None = None  # each workload scaled to about this many requests
     overhead_samples: int = 30
     out: Path = Path("runs/bench-cluster")
 
@@ -58,15 +62,15 @@ def bench_cluster_cmd(
     """Colocated vs disaggregated vs auto on equal cores, three workloads, with ratios."""
     from rich.console import Console
 
-    opts = BenchOptions(preset, model_cache, repeats, 1.0, 1.0, overhead_samples, out)
-    if quick:
-        opts.preset, opts.repeats, opts.request_factor, opts.prompt_factor = "tiny", 1, 0.25, 0.5
-        opts.overhead_samples = min(overhead_samples, 6)
-    if num_requests is not None:
-        opts.request_factor = num_requests / 30.0  # the bench workloads hold about 30 requests each
+    opts = BenchOptions(preset, model_cache, repeats, overhead_samples=overhead_samples, out=out)
+    if quick:  # the tiny model runs these ~10x faster than small: shorter and denser
+        opts.preset, opts.repeats, opts.overhead_samples = "tiny", 1, min(overhead_samples, 6)
+        opts.request_factor, opts.prompt_factor, opts.rate_factor = 0.25, 0.5, 3.0
+    opts.num_requests = num_requests
     console = Console(stderr=True, log_path=False)
     try:
-        result = run_bench(opts, console.log)
+        with stdout_to_stderr():  # Ray prints its processes' log lines on stdout
+            result = run_bench(opts, console.log)
     except (RuntimeError, ValueError) as e:
         console.print(f"[red]bench cluster failed:[/] {e}")
         raise typer.Exit(1) from None
@@ -76,23 +80,42 @@ def bench_cluster_cmd(
         _print(result, Console())
 
 
+@contextlib.contextmanager
+def stdout_to_stderr():
+    """Point file descriptor 1 (and `sys.stdout`) at stderr for the duration, so that
+    only the JSON object reaches stdout whatever Ray or its C++ core prints."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def run_bench(opts: BenchOptions, log) -> dict:
     from cluster.cluster_apps import app_args, ensure_preset, expected_pools
     from cluster.cluster_workloads import BENCH_WORKLOADS
     from cluster.local_cluster import LocalCluster
     from cluster.router_overhead import measure
+    from cluster.workload_runs import warm_up
 
     started, load_start = time.perf_counter(), os.getloadavg()
-    workloads = {k: w.scaled(opts.request_factor, opts.prompt_factor) for k, w in BENCH_WORKLOADS.items()}
+    workloads = {k: _sized(w, opts) for k, w in BENCH_WORKLOADS.items()}
     with LocalCluster(log=log) as cluster:
         ensure_preset(opts.preset, opts.model_cache, log)
         log("deploying colocated (2 decode replicas) and pd (1 prefill + 1 decode)")
-        urls = {
-            "colocated": cluster.deploy("colocated", app_args(opts.preset, opts.model_cache, 0, 2, "local"),
-                                        "/colocated", expected_pools(0, 2)),
-            "pd": cluster.deploy("pd", app_args(opts.preset, opts.model_cache, 1, 1, "auto"), "/pd",
-                                 expected_pools(1, 1)),
-        }
+        colocated, pd = cluster.deploy_many([
+            ("colocated", app_args(opts.preset, opts.model_cache, 0, 2, "local"), "/colocated", expected_pools(0, 2)),
+            ("pd", app_args(opts.preset, opts.model_cache, 1, 1, "auto"), "/pd", expected_pools(1, 1)),
+        ])
+        urls = {"colocated": colocated, "pd": pd}
+        log("warming up (first transfers, first shapes)")
+        warm_up(colocated, ("local",))
+        warm_up(pd, ("local", "disagg"))
         runs = _run_all(opts, workloads, urls, log)
         log("router overhead: HTTP through the router vs a Serve handle to the decode replica")
         overhead = measure(urls["pd"], "pd", num_samples=opts.overhead_samples)
@@ -110,6 +133,11 @@ def run_bench(opts: BenchOptions, log) -> dict:
                     "loadavg_end": [round(x, 2) for x in os.getloadavg()]},
         "run_time_s": round(time.perf_counter() - started, 1),
     }
+
+
+def _sized(workload, opts: BenchOptions):
+    factor = opts.num_requests / workload.num_requests if opts.num_requests else opts.request_factor
+    return workload.scaled(factor, opts.prompt_factor, opts.rate_factor)
 
 
 def _run_all(opts: BenchOptions, workloads: dict, urls: dict, log) -> dict[str, dict[str, list[dict]]]:

@@ -58,6 +58,10 @@ class ClusterWorkload:
     classes: tuple[RequestClass, ...]
     slo: SLO
 
+    @property
+    def num_requests(self) -> int:
+        return sum(c.num_requests for c in self.classes)
+
     def rows(self, seed: int = 0) -> list[dict]:
         """The trace rows, in arrival order."""
         rows = []
@@ -74,11 +78,15 @@ class ClusterWorkload:
         path.write_text("".join(json.dumps(r) + "\n" for r in self.rows(seed)))
         return path
 
-    def scaled(self, request_factor: float = 1.0, prompt_factor: float = 1.0) -> ClusterWorkload:
-        """A smaller copy (smoke tests, `--quick`): fewer requests, shorter prompts, the
-        same rates, so the shape of the traffic stays."""
+    def scaled(self, request_factor: float = 1.0, prompt_factor: float = 1.0,
+               rate_factor: float = 1.0) -> ClusterWorkload:
+        """A resized copy (smoke tests, `--quick`, `--num-requests`): requests, prompt
+        lengths and arrival rates each scaled; the mix of classes stays."""
         classes = tuple(replace(c, num_requests=max(1, round(c.num_requests * request_factor)),
-                                prompt_len=tuple(max(1, round(n * prompt_factor)) for n in c.prompt_len))
+                                prompt_len=tuple(max(1, round(n * prompt_factor)) for n in c.prompt_len),
+                                rate=None if c.rate is None else c.rate * rate_factor,
+                                interval_s=None if c.interval_s is None else c.interval_s / rate_factor,
+                                start_s=c.start_s / rate_factor)
                         for c in self.classes)
         return replace(self, classes=classes)
 

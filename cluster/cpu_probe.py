@@ -10,12 +10,17 @@ import os
 from dataclasses import dataclass, field
 
 
-def _label(class_name: str) -> str | None:
-    """`ServeReplica:pd:DecodeWorker` -> `pd:DecodeWorker`; Serve's own actors by role."""
-    if class_name.startswith("ServeReplica:"):
-        return class_name.split(":", 1)[1]
-    if class_name in ("ProxyActor", "ServeController"):
-        return class_name
+def _label(cmdline: list[str]) -> str | None:
+    """`ray::ServeReplica:pd:DecodeWorker.method` -> `pd:DecodeWorker`; Serve's own
+    actors by role. Ray sets each actor process's title to `ray::<actor>.<task>`."""
+    title = cmdline[0] if cmdline else ""
+    if not title.startswith("ray::"):
+        return None
+    actor = title[len("ray::"):].split(".", 1)[0].split(" ", 1)[0]
+    if actor.startswith("ServeReplica:"):
+        return actor.split(":", 1)[1]
+    if actor in ("ProxyActor", "ServeController"):
+        return actor
     return None
 
 
@@ -27,20 +32,20 @@ class CpuProbe:
 
     @classmethod
     def for_serve(cls) -> CpuProbe:
+        """This process and the Serve actors among its descendants (the Ray it started)."""
         import psutil
-        from ray.util.state import list_actors
 
-        processes: dict[str, object] = {"client": psutil.Process(os.getpid())}
+        me = psutil.Process(os.getpid())
+        processes: dict[str, object] = {"client": me}
         counts: dict[str, int] = {}
-        for actor in list_actors(filters=[("state", "=", "ALIVE")], limit=1000):
-            label = _label(actor.class_name or "")
-            if label is None or not actor.pid:
-                continue
-            counts[label] = counts.get(label, 0) + 1
+        for p in me.children(recursive=True):
             try:
-                processes[f"{label}#{counts[label]}"] = psutil.Process(actor.pid)
+                label = _label(p.cmdline())
             except psutil.Error:
                 continue
+            if label is not None:
+                counts[label] = counts.get(label, 0) + 1
+                processes[f"{label}#{counts[label]}"] = p
         return cls(processes)
 
     def sample(self) -> dict[str, float]:

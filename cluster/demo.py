@@ -53,7 +53,7 @@ def demo_cmd(
 def demo_workload(quick: bool):
     from cluster.cluster_workloads import INTERFERENCE
 
-    return INTERFERENCE.scaled(request_factor=0.35, prompt_factor=0.5) if quick else INTERFERENCE
+    return INTERFERENCE.scaled(request_factor=0.35, prompt_factor=0.5, rate_factor=2.0) if quick else INTERFERENCE
 
 
 def run_demo(out: Path, preset: str, model_cache: str | None, quick: bool, console) -> dict:
@@ -61,7 +61,7 @@ def run_demo(out: Path, preset: str, model_cache: str | None, quick: bool, conso
     from cluster.cluster_apps import app_args, ensure_preset, expected_pools
     from cluster.loadtest.compare import compare
     from cluster.local_cluster import LocalCluster
-    from cluster.workload_runs import run_workload
+    from cluster.workload_runs import run_workload, warm_up
 
     workload = demo_workload(quick)
     for line in workload.describe():
@@ -73,6 +73,8 @@ def run_demo(out: Path, preset: str, model_cache: str | None, quick: bool, conso
         with console.status("deploying 1 prefill + 1 decode replica (1 torch thread each) ..."):
             url = cluster.deploy(DEMO_APP, app_args(preset, model_cache, 1, 1), "/", expected_pools(1, 1))
         console.log(f"serving at {url}")
+        with console.status("warming up (first KV transfer, first shapes) ..."):
+            warm_up(url, MODES)
         for i, mode in enumerate(MODES):
             console.log(f"[bold]{workload.name}[/] with x-pd-mode: {mode}")
             run = run_workload(url, workload, mode, out / mode, seed=1000 + i, progress=True, plots=True)

@@ -71,15 +71,23 @@ class LocalCluster:
     def deploy(self, name: str, args: dict, route_prefix: str, expect: dict[str, int]) -> str:
         """Deploy `build_app(args)` as app `name` and wait until each pool in `expect`
         (`{"decode": 1, "prefill": 1}`) has that many healthy replicas; returns its URL."""
+        return self.deploy_many([(name, args, route_prefix, expect)])[0]
+
+    def deploy_many(self, apps: list[tuple[str, dict, str, dict[str, int]]]) -> list[str]:
+        """Several `(name, args, route_prefix, expect)` apps at once (their replicas start
+        in parallel); returns their URLs once all are healthy."""
         from ray import serve
+        from ray.serve.api import RunTarget
 
         from cluster.app import build_app
 
-        serve.run(build_app(args), name=name, route_prefix=route_prefix, blocking=False)
-        self.apps.append(name)
-        url = self.url(route_prefix)
-        wait_healthy(url, expect)
-        return url
+        serve.run_many([RunTarget(build_app(args), name=name, route_prefix=prefix)
+                        for name, args, prefix, _ in apps])
+        self.apps.extend(name for name, *_ in apps)
+        urls = [self.url(prefix) for _, _, prefix, _ in apps]
+        for url, (*_, expect) in zip(urls, apps, strict=True):
+            wait_healthy(url, expect)
+        return urls
 
     def __exit__(self, *exc) -> None:
         self.stop()

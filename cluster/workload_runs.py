@@ -45,7 +45,7 @@ def run_workload(url: str, workload: ClusterWorkload, mode: str, out_dir: Path, 
 
     out_dir = Path(out_dir)
     trace = workload.write_trace(out_dir / "trace.jsonl", trace_seed)
-    config = LoadTestConfig(url=url, out_dir=out_dir, workload=workload.name, trace=trace, seed=seed,
+    config = LoadTestConfig(url=url, out_dir=out_dir, workload=str(trace), trace=trace, seed=seed,
                             mode=mode, slo=workload.slo, progress=progress, plots=plots,
                             prompt_format="ids", timeout_s=300.0)
     summary = run_loadtest(config)
@@ -61,3 +61,28 @@ def class_blocks(records) -> dict[str, dict]:
                    "ttft_ms": latency_block([r.ttft_s for r in rs if r.ok and r.ttft_s is not None]),
                    "itl_ms": latency_block([g for r in rs if r.ok for g in r.itl_s])}
             for name, rs in sorted(groups.items())}
+
+
+def warm_up(url: str, modes: tuple[str, ...], prompt_lens: tuple[int, ...] = (64, 512), concurrency: int = 2) -> None:
+    """A few requests per mode before measuring: the first KV transfer between two
+    replicas sets up its connection, and torch's first calls of a shape allocate."""
+    import asyncio
+    import random
+
+    import httpx
+
+    rng = random.Random(12345)
+
+    async def one(http: httpx.AsyncClient, mode: str, prompt_len: int) -> None:
+        body = {"prompt": [rng.randrange(32, 127) for _ in range(prompt_len)], "max_tokens": 4,
+                "temperature": 0, "ignore_eos": True}
+        resp = await http.post(f"{url}/v1/completions", json=body, headers={"x-pd-mode": mode})
+        resp.raise_for_status()
+
+    async def go() -> None:
+        async with httpx.AsyncClient(timeout=120) as http:
+            for mode in modes:
+                for prompt_len in prompt_lens:
+                    await asyncio.gather(*(one(http, mode, prompt_len) for _ in range(concurrency)))
+
+    asyncio.run(go())

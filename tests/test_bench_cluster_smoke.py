@@ -1,0 +1,54 @@
+"""`pdcluster bench cluster --quick --json` end to end in its own process (its own local
+Ray: one Ray per process, and this one may already run the session's): the tiny model,
+one repeat of each workload in each configuration, JSON alone on stdout."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from cluster.cluster_workloads import BENCH_WORKLOADS, INTERFERENCE, request_class
+
+REQUIRED_RATIOS = {
+    "disagg_itl_p99_vs_colocated", "auto_ttft_p50_vs_colocated_short_low_load",
+    "auto_goodput_vs_best_short_low_load", "auto_goodput_vs_best_long_high_load",
+    "auto_goodput_vs_best_mixed", "router_overhead_ttft_p50_ms",
+}
+
+
+def test_workload_traces_are_fixed_by_their_seed(tmp_path):
+    rows = INTERFERENCE.rows(0)
+    assert rows == INTERFERENCE.rows(0) and rows != INTERFERENCE.rows(1)
+    assert [r["timestamp"] for r in rows] == sorted(r["timestamp"] for r in rows)
+    longs = [r for r in rows if request_class(r["id"]) == "long"]
+    assert [r["timestamp"] for r in longs] == [2.0, 7.0, 12.0, 17.0]
+    assert all(r["prompt_len"] == 1536 for r in longs)
+    small = INTERFERENCE.scaled(0.5, 0.5, 2.0)
+    assert small.num_requests == 17 and small.classes[1].interval_s == 2.5
+    trace = INTERFERENCE.write_trace(tmp_path / "t.jsonl")
+    assert [json.loads(line) for line in trace.read_text().splitlines()] == rows
+    assert set(BENCH_WORKLOADS) == {"short_low_load", "long_high_load", "mixed"}
+
+
+def test_bench_cluster_quick_prints_json(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "cluster", "bench", "cluster", "--quick", "--json",
+         "--model-cache", str(tmp_path / "models"), "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)  # stdout carries the JSON alone
+    assert REQUIRED_RATIOS <= set(report["ratios"])
+    assert set(report["results"]) == set(BENCH_WORKLOADS)
+    for name, by_config in report["results"].items():
+        assert set(by_config) == {"colocated", "disagg", "auto"}
+        for config, figures in by_config.items():
+            assert figures["failed"] == 0 and figures["completed"] > 0, (name, config, figures)
+        assert by_config["colocated"]["routes"].get("disagg", 0) == 0
+        assert by_config["disagg"]["routes"].get("local", 0) == 0
+        # colocated really runs on both of its replicas
+        cpu = by_config["colocated"]["cpu_s"]
+        assert cpu["colocated:DecodeWorker#1"] > 0 and cpu["colocated:DecodeWorker#2"] > 0, cpu
+    overhead = report["router_overhead"]
+    assert overhead["router_ttft_p50_ms"] > 0 and overhead["direct_ttft_p50_ms"] > 0
+    assert report["run_time_s"] > 0 and report["machine"]["cores"] >= 1
