@@ -45,12 +45,9 @@ def ray_cluster():
 
 
 @pytest.fixture(scope="session")
-def ray_session():
-    """One small local Ray cluster for the whole test session (2 CPUs, no dashboard).
-    Reuse it rather than calling ray.init yourself; it shuts down at the end."""
+def ray_session(ray_cluster):
+    """Ray for tests that need only Ray itself: the session's one cluster, the one
+    `ray_cluster` starts, so two fixtures never race to configure it differently."""
     import ray
 
-    if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
+    return ray
