@@ -52,6 +52,8 @@ def test_bad_options_give_a_clear_error(server, tmp_path):
     result = CliRunner().invoke(app, ["loadtest", "--url", server.url, "--out", str(tmp_path),
                                       "--rate", "5", "--concurrency", "2"])
     assert result.exit_code == 2 and "one load shape" in result.output
+    result = CliRunner().invoke(app, ["loadtest", "--url", "http://127.0.0.1:9", "--out", str(tmp_path / "x")])
+    assert result.exit_code == 2 and "cannot reach" in result.output
     result = CliRunner().invoke(app, ["compare", str(tmp_path / "nothing"), "--out", str(tmp_path / "c")])
     assert result.exit_code == 2 and "summary.json" in result.output
 

@@ -241,9 +241,12 @@ async def probe(http: httpx.AsyncClient, target: Target, prompt_format: str) -> 
     probe_target = Target(target.url, target.endpoint, target.model, target.headers, False, min(target.timeout_s, 120.0))
     last = ""
     for caps in candidates:
-        resp = await http.post(probe_target.url + probe_target.path, json=build_body(spec, probe_target, caps),
-                               headers={**target.headers, "x-request-id": "loadtest-probe"},
-                               timeout=probe_target.timeout_s)
+        try:
+            resp = await http.post(probe_target.url + probe_target.path, json=build_body(spec, probe_target, caps),
+                                   headers={**target.headers, "x-request-id": "loadtest-probe"},
+                                   timeout=probe_target.timeout_s)
+        except httpx.HTTPError as e:
+            raise RuntimeError(f"cannot reach {target.url}: {e!r}") from None
         if resp.status_code == 200:
             return caps
         last = f"HTTP {resp.status_code}: {_error_message(resp.text)}"
