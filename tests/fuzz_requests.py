@@ -67,7 +67,7 @@ invalid_utf8 = st.builds(lambda bad: b'{"prompt": "' + bad + b'", "max_tokens": 
 oversized = st.builds(lambda n: json.dumps({"prompt": "a" * n, "max_tokens": 1}).encode(),
                       st.integers(70_000, 200_000))
 raw_bodies = st.tuples(st.sampled_from(["completion", "chat"]), st.one_of(broken_json, invalid_utf8, oversized))
-header_text = st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=40)
+header_text = st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=40).map(str.strip)
 headers = st.fixed_dictionaries({}, optional={"x-pd-mode": header_text, "x-workload": header_text,
                                               "x-request-id": header_text})
 requests = st.tuples(st.one_of(mutated_json(), raw_bodies), headers)

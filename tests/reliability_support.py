@@ -17,7 +17,7 @@ import yaml
 from workers.invariants import Probe, idle_violations
 
 APP = "pdc-reliability"
-MAX_MODEL_LEN = 512
+MAX_MODEL_LEN = 2048
 FIGURES: dict[str, list] = {}  # name -> measured values, written by write_figures()
 _lock = threading.Lock()
 
@@ -68,13 +68,13 @@ def write_secret_files(folder: Path, s: Secrets) -> dict:
 def app_config(model_dir: Path, secret_files: dict) -> dict:
     return {
         "model": {"path": str(model_dir), "max_model_len": MAX_MODEL_LEN},
-        "engine": {"num_kv_blocks": 256, "max_num_batched_tokens": 256},
+        "engine": {"num_kv_blocks": 1024, "max_num_batched_tokens": 256},
         "prefill": {"num_replicas": 1, "num_cpus": 0.25},
         "decode": {"num_replicas": 2, "num_cpus": 0.25},
-        "router": {"num_cpus": 0.25, "heartbeat_timeout_s": 1.5, "prefill_timeout_s": 3.0,
+        "router": {"num_cpus": 0.25, "heartbeat_timeout_s": 3.0, "prefill_timeout_s": 3.0,
                    "max_body_bytes": 64 * 1024},
         "transport": {"backend": "zmq", "host": "127.0.0.1", "transfer_timeout_s": 3.0},
-        "limits": {"default_max_tokens": 4, "max_tokens_limit": 480},
+        "limits": {"default_max_tokens": 4, "max_tokens_limit": 1500},
         "admission": {"max_concurrent_requests": 12, "max_queued_requests": 6, "queue_timeout_s": 10},
         "workloads": {"default": {"mode": "auto", "min_remote_prefill_tokens": 32},
                       "tight": {"mode": "auto", "min_remote_prefill_tokens": 32, "deadline_s": 1.0},
@@ -189,7 +189,8 @@ def stream(client: httpx.Client, body: dict, headers: dict, on_event=None) -> St
     """POST a streaming completion; `on_event(result)` after each event may return True
     to hang up (the client leaves mid-stream)."""
     start = time.monotonic()
-    with client.stream("POST", "/v1/completions", json={**body, "stream": True}, headers=headers) as r:
+    body = {**body, "stream": True, "return_token_ids": True}
+    with client.stream("POST", "/v1/completions", json=body, headers=headers) as r:
         result = StreamResult(r.status_code, dict(r.headers))
         if r.status_code != 200:
             r.read()

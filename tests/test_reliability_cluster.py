@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import random
 import threading
 import time
 from pathlib import Path
@@ -28,7 +29,7 @@ from tests import fuzz_requests
 from tests import reliability_support as rs
 from tests.reliability_support import completion, record, stream
 
-LONG = 400  # tokens in a "long" generation (stops only by length: ignore_eos)
+LONG = 1500  # tokens in a "long" generation (stops only by length: ignore_eos)
 PROMPT = list(range(20, 90))  # 70 token ids: above min_remote_prefill_tokens
 SOAK_MIX = {
     "workload": "mixed",
@@ -37,6 +38,7 @@ SOAK_MIX = {
     "shared-prefix": {"prompt_len": [16, 48], "output_len": [8, 16], "prefix_len": 192},
     "multi-turn": {"prompt_len": [16, 48], "output_len": [8, 16], "turns": 3},
 }
+REPEATS = int(os.environ.get("PDC_RELIABILITY_REPEATS", "2"))  # the report raises it
 IDLE_TOLERANCE_S = float(os.environ.get("PDC_IDLE_TOLERANCE_S", "5"))  # CI; 1 s measured in the report
 
 
@@ -143,7 +145,7 @@ def test_overload_gets_429_never_5xx_or_a_hang(cluster, auth):
     codes = sorted(r.status_code for r in answers)
     record("overload_40_concurrent", {"ok": codes.count(200), "429": codes.count(429),
                                        "seconds": round(time.monotonic() - start, 2)})
-    assert set(codes) <= {200, 429}, codes
+    assert set(codes) <= {200, 429}, {r.status_code: r.text[:300] for r in answers}
     assert codes.count(429) >= 1 and codes.count(200) >= 12, codes
     for r in answers:
         if r.status_code == 429:
@@ -152,10 +154,10 @@ def test_overload_gets_429_never_5xx_or_a_hang(cluster, auth):
 
 
 def test_prompt_too_long_names_the_limit(cluster, auth):
-    r = cluster.post("/v1/completions", json=completion(list(range(600)), max_tokens=1), headers=auth)
+    r = cluster.post("/v1/completions", json=completion([i % 250 for i in range(2100)], max_tokens=1), headers=auth)
     error = assert_error(r, 400, "context_length_exceeded")
-    assert str(rs.MAX_MODEL_LEN) in error["message"] and "600" in error["message"]
-    chat = {"messages": [{"role": "user", "content": "x" * 2000}], "max_tokens": 1}
+    assert str(rs.MAX_MODEL_LEN) in error["message"] and "2100" in error["message"]
+    chat = {"messages": [{"role": "user", "content": "x" * 2100}], "max_tokens": 1}
     assert str(rs.MAX_MODEL_LEN) in assert_error(
         cluster.post("/v1/chat/completions", json=chat, headers=auth), 400)["message"]
     big = cluster.post("/v1/completions", content=b"{" + b" " * 70_000 + b"}",
@@ -169,7 +171,7 @@ def test_prompt_too_long_names_the_limit(cluster, auth):
 def test_client_disconnect_frees_blocks_on_every_replica(cluster, auth):
     """The client hangs up mid-stream of a disaggregated request: the decode and the
     prefill replica it touched abort it and every block is free again."""
-    for _ in range(2):
+    for _ in range(REPEATS):
         result = stream(cluster, completion(PROMPT, max_tokens=LONG, ignore_eos=True),
                         {**auth, "x-pd-mode": "disagg"}, lambda res: res.num_tokens >= 8)
         hung_up = time.monotonic()
@@ -203,14 +205,14 @@ def _greedy(cluster, auth, mode: str) -> httpx.Response:
 def test_corrupt_kv_transfer_falls_back_locally(cluster, auth):
     expected = _greedy(cluster, auth, "local").json()["choices"][0]["token_ids"]
     rs.set_faults({"kv_transfer": "corrupt"})
-    for _ in range(3):
+    for _ in range(REPEATS):
         start = time.monotonic()
         r = _greedy(cluster, auth, "disagg")
         record("corrupt_fallback_s", round(time.monotonic() - start, 3))
         assert r.status_code == 200, r.text
         assert (r.headers["x-pd-route"], r.headers["x-pd-reason"]) == ("local", "prefill-failed")
         assert r.json()["choices"][0]["token_ids"] == expected
-    assert sum(f["num_injected"] for f in rs.set_faults({"kv_transfer": "none"})) >= 3
+    assert sum(f["num_injected"] for f in rs.set_faults({"kv_transfer": "none"})) >= REPEATS
     assert _greedy(cluster, auth, "disagg").headers["x-pd-route"] == "disagg"  # healed
 
 
@@ -363,36 +365,47 @@ def test_decode_replica_killed_mid_stream(cluster, auth):
 
 def test_prefill_replica_killed_under_load_recovers(cluster, auth):
     """0 failed requests while the only prefill replica dies (local fallback), Serve
-    starts a new one, and disaggregated routes come back."""
-    results: list[tuple[int, str]] = []
+    starts a new one, and disaggregated routes come back (fresh long prompts: auto mode)."""
+    results: list[tuple[float, int, str]] = []
     stop = threading.Event()
 
-    def client():
+    def client(seed: int):
+        rng = random.Random(seed)
         with httpx.Client(base_url=str(cluster.base_url), timeout=120) as c:
             while not stop.is_set():
-                r = c.post("/v1/completions", json=completion(PROMPT, max_tokens=6), headers=auth)
-                results.append((r.status_code, f"{r.headers.get('x-pd-route')}:{r.headers.get('x-pd-reason')}"))
+                prompt = [rng.randrange(250) for _ in range(80)]  # uncached: auto -> disagg
+                r = c.post("/v1/completions", json=completion(prompt, max_tokens=6), headers=auth)
+                route = f"{r.headers.get('x-pd-route')}:{r.headers.get('x-pd-reason')}"
+                results.append((time.monotonic(), r.status_code, route))
 
-    threads = [threading.Thread(target=client) for _ in range(3)]
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
     for t in threads:
         t.start()
-    time.sleep(1.5)
-    rs.kill_replica(rs.replicas("prefill")[0].replica_id)
-    killed = time.monotonic()
     try:
-        recovered_s = rs.wait_health(cluster, timeout_s=150)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not any(
-                route == "disagg:long-prompt" for _, route in results[-5:]):
-            time.sleep(0.2)
-        mix_s = time.monotonic() - killed
+        time.sleep(1.5)
+        victim = rs.replicas("prefill")[0].replica_id
+        rs.kill_replica(victim)
+        killed = time.monotonic()
+        replaced_s = _wait_for(lambda: [r for r in rs.replicas("prefill") if r.replica_id != victim], 150)
+        disagg_s = _wait_for(lambda: [1 for t, _, route in results[-20:]
+                                      if t > killed + replaced_s and route == "disagg:long-prompt"], 60)
     finally:
         stop.set()
         for t in threads:
             t.join(120)
-    routes = [route for _, route in results]
-    record("prefill_kill", {"requests": len(results), "failed": sum(c != 200 for c, _ in results),
-                            "healthy_again_s": round(recovered_s, 2), "disagg_again_s": round(mix_s, 2)})
-    assert all(code == 200 for code, _ in results), [r for r in results if r[0] != 200]
+    routes = [route for _, _, route in results]
+    record("prefill_kill", {"requests": len(results), "failed": sum(code != 200 for _, code, _ in results),
+                            "fallbacks": sum(r.startswith("local:prefill-") for r in routes),
+                            "new_replica_s": round(replaced_s, 2), "disagg_again_s": round(disagg_s, 2)})
+    assert all(code == 200 for _, code, _ in results), [r for r in results if r[1] != 200]
     assert any(r.startswith("local:prefill-") for r in routes), set(routes)
-    assert routes[-1] == "disagg:long-prompt" or "disagg:long-prompt" in routes[-5:], routes[-10:]
+    assert routes.count("disagg:long-prompt") > 0
+
+
+def _wait_for(found, timeout_s: float) -> float:
+    """Seconds until `found()` is truthy (fails after `timeout_s`)."""
+    start = time.monotonic()
+    while not found():
+        assert time.monotonic() - start < timeout_s, "timed out"
+        time.sleep(0.2)
+    return time.monotonic() - start
