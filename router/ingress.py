@@ -35,8 +35,8 @@ from router.middleware import RequestIdMiddleware, read_json
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from router.planner import ClusterView
 from router.prompting import PromptBuilder
-from router.tenants import Tenants
 from router.responses import ResponseShape
+from router.tenants import Tenants
 from router.workloads import Profiles, client_mode, view
 from workers.engine_worker import resolve_model_path  # makes a preset once per node, under a lock
 from workers.protocol import GenerateRequest
