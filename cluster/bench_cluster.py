@@ -8,7 +8,7 @@ engine replicas and the same engine settings:
 - `pd` (`/pd`): 1 prefill + 1 decode replica; `x-pd-mode: disagg` prefills every request
   remotely, `x-pd-mode: auto` lets the router decide per request.
 
-Three workloads (`cluster.cluster_workloads.BENCH_WORKLOADS`, each with its SLO) run in
+Three workloads (`cluster.bench_workloads`: rates and SLOs sized to this machine) run in
 every configuration, repeated, interleaved (configuration order rotated each repeat),
 each run with fresh prompt bytes; results are medians over repeats. Then the router's
 own TTFT cost is measured against calling the decode deployment through a Serve handle.
@@ -65,7 +65,7 @@ def bench_cluster_cmd(
     opts = BenchOptions(preset, model_cache, repeats, overhead_samples=overhead_samples, out=out)
     if quick:  # the tiny model runs these ~10x faster than small: shorter and denser
         opts.preset, opts.repeats, opts.overhead_samples = "tiny", 1, min(overhead_samples, 6)
-        opts.request_factor, opts.prompt_factor, opts.rate_factor = 0.25, 0.5, 3.0
+        opts.request_factor, opts.prompt_factor = 0.25, 0.5
     opts.num_requests = num_requests
     console = Console(stderr=True, log_path=False)
     try:
@@ -97,14 +97,13 @@ def stdout_to_stderr():
 
 
 def run_bench(opts: BenchOptions, log) -> dict:
+    from cluster.bench_workloads import bench_workloads, measure_baseline
     from cluster.cluster_apps import app_args, ensure_preset, expected_pools
-    from cluster.cluster_workloads import BENCH_WORKLOADS
     from cluster.local_cluster import LocalCluster
     from cluster.router_overhead import measure
     from cluster.workload_runs import warm_up
 
     started, load_start = time.perf_counter(), os.getloadavg()
-    workloads = {k: _sized(w, opts) for k, w in BENCH_WORKLOADS.items()}
     with LocalCluster(log=log) as cluster:
         ensure_preset(opts.preset, opts.model_cache, log)
         log("deploying colocated (2 decode replicas) and pd (1 prefill + 1 decode)")
@@ -116,6 +115,12 @@ def run_bench(opts: BenchOptions, log) -> dict:
         log("warming up (first transfers, first shapes)")
         warm_up(colocated, ("local",))
         warm_up(pd, ("local", "disagg"))
+        baseline = measure_baseline(colocated)
+        log(f"baseline (one request alone on one replica): {baseline}")
+        workloads = {k: _sized(w, opts) for k, w in bench_workloads(baseline).items()}
+        for w in workloads.values():
+            for line in w.describe():
+                log(line)
         runs = _run_all(opts, workloads, urls, log)
         log("router overhead: HTTP through the router vs a Serve handle to the decode replica")
         overhead = measure(urls["pd"], "pd", num_samples=opts.overhead_samples)
@@ -128,7 +133,7 @@ def run_bench(opts: BenchOptions, log) -> dict:
         "targets": {k: {"target": f"{op} {v:g}", "value": ratios.get(k), "met": _met(ratios.get(k), op, v)}
                     for k, (op, v) in TARGETS.items()},
         "router_overhead": overhead,
-        "setup": _setup(opts, workloads),
+        "setup": _setup(opts, workloads, baseline),
         "machine": {"cores": os.cpu_count(), "loadavg_start": [round(x, 2) for x in load_start],
                     "loadavg_end": [round(x, 2) for x in os.getloadavg()]},
         "run_time_s": round(time.perf_counter() - started, 1),
@@ -215,7 +220,8 @@ def _met(value: float | None, op: str, target: float) -> bool | None:
     return value <= target if op == "<=" else value >= target
 
 
-def _setup(opts: BenchOptions, workloads: dict) -> dict:
+def _setup(opts: BenchOptions, workloads: dict, baseline) -> dict:
+    from cluster.bench_workloads import describe
     from cluster.cluster_apps import MAX_NUM_BATCHED_TOKENS
 
     return {
@@ -224,6 +230,7 @@ def _setup(opts: BenchOptions, workloads: dict) -> dict:
         "configs": {"colocated": "2 decode replicas, every request local",
                     "disagg": "1 prefill + 1 decode, x-pd-mode: disagg (every request remote)",
                     "auto": "1 prefill + 1 decode, x-pd-mode: auto (router decides)"},
+        "baseline": describe(baseline),
         "workloads": {name: w.describe() for name, w in workloads.items()},
         "order": "per repeat: every workload, configurations rotated; medians over repeats",
         "out": str(opts.out),

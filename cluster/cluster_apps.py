@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-# The chunked-prefill token budget of one engine step, the same in every deployment.
-MAX_NUM_BATCHED_TOKENS = 1024
+# The chunked-prefill token budget of one engine step, the same in every deployment. 512
+# (vLLM's old chunked-prefill default) is the colocated baseline's best defence against
+# interference: a long prompt stalls the streams beside it for one 512-token chunk at a time.
+MAX_NUM_BATCHED_TOKENS = 512
 NUM_KV_BLOCKS = 2048  # 32k tokens per replica: never the limit in these workloads
 
 
@@ -29,7 +31,10 @@ def app_args(preset: str, cache_dir: str | None, num_prefill: int, num_decode: i
         "engine": {"num_kv_blocks": NUM_KV_BLOCKS, "max_num_batched_tokens": max_num_batched_tokens},
         "prefill": {**pool, "num_replicas": num_prefill},
         "decode": {**pool, "num_replicas": num_decode},
-        "router": {"num_cpus": 0.5},
+        # Two saturated cores delay heartbeats by seconds: a 3 s silence must not mark a
+        # busy replica dead. A remote prefill may queue behind others for long at high
+        # load; "disagg" should stay disaggregated rather than fall back after 30 s.
+        "router": {"num_cpus": 0.5, "heartbeat_timeout_s": 15.0, "prefill_timeout_s": 120.0},
         "transport": {"backend": "auto", "host": "127.0.0.1"},
         "workloads": {"default": {"mode": mode, "allow_client_override": True,
                                   "min_remote_prefill_tokens": min_remote_prefill_tokens,

@@ -8,7 +8,10 @@ import json
 import subprocess
 import sys
 
-from cluster.cluster_workloads import BENCH_WORKLOADS, INTERFERENCE, request_class
+from cluster.bench_workloads import Baseline, bench_workloads
+from cluster.cluster_workloads import INTERFERENCE, request_class
+
+WORKLOADS = ("short_low_load", "long_high_load", "mixed")
 
 REQUIRED_RATIOS = {
     "disagg_itl_p99_vs_colocated", "auto_ttft_p50_vs_colocated_short_low_load",
@@ -28,7 +31,18 @@ def test_workload_traces_are_fixed_by_their_seed(tmp_path):
     assert small.num_requests == 17 and small.classes[1].interval_s == 2.5
     trace = INTERFERENCE.write_trace(tmp_path / "t.jsonl")
     assert [json.loads(line) for line in trace.read_text().splitlines()] == rows
-    assert set(BENCH_WORKLOADS) == {"short_low_load", "long_high_load", "mixed"}
+
+
+
+def test_bench_workloads_follow_the_baseline():
+    fast, slow = bench_workloads(Baseline(50, 1000, 20)), bench_workloads(Baseline(100, 2000, 40))
+    assert tuple(fast) == WORKLOADS
+    assert fast["long_high_load"].classes[0].rate == 2 * slow["long_high_load"].classes[0].rate
+    assert fast["long_high_load"].classes[0].rate == 0.7 * 2 / 1.0  # 70% of two replicas
+    assert slow["short_low_load"].slo.ttft_ms == 2 * fast["short_low_load"].slo.ttft_ms == 500
+    mixed = fast["mixed"]
+    assert [c.name for c in mixed.classes] == ["short", "long"]
+    assert mixed.slo_of("long").ttft_ms == 5000 and mixed.classes[1].interval_s == 2.0
 
 
 def test_bench_cluster_quick_prints_json(tmp_path):
@@ -39,7 +53,7 @@ def test_bench_cluster_quick_prints_json(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)  # stdout carries the JSON alone
     assert REQUIRED_RATIOS <= set(report["ratios"])
-    assert set(report["results"]) == set(BENCH_WORKLOADS)
+    assert tuple(report["results"]) == WORKLOADS
     for name, by_config in report["results"].items():
         assert set(by_config) == {"colocated", "disagg", "auto"}
         for config, figures in by_config.items():
