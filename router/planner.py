@@ -49,6 +49,12 @@ class ClusterView:
         return [r for r in self.replicas.values()
                 if r.role == role and r.healthy and r.replica_id not in self.excluded]
 
+    def overdue(self, role: str) -> list[ReplicaInfo]:
+        """Replicas unhealthy only because their heartbeat is late (the last one said
+        healthy). A dead one among them fails its call at once and is excluded (dispatch)."""
+        return [r for r in self.replicas.values() if r.role == role and not r.healthy
+                and r.stats.get("healthy", True) and r.replica_id not in self.excluded]
+
     def load(self, replica: ReplicaInfo) -> int:
         return max(replica.load, self.inflight[replica.replica_id])
 
@@ -67,6 +73,8 @@ class ClusterView:
              forced_mode: str | None, offload_to_prefill: bool = True) -> RoutePlan:
         hashes = block_hashes(prompt_ids, self.block_size)
         decodes, prefills = self.healthy("decode"), self.healthy("prefill")
+        if not decodes and not prefills:  # every heartbeat overdue (a saturated CPU): not a dead pool
+            decodes = self.overdue("decode")
         if not decodes and not prefills:
             raise unavailable("No healthy decode or prefill replica")
         prefill = min(prefills, key=self.load, default=None)

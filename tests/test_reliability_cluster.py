@@ -327,8 +327,10 @@ def test_secrets_never_logged(cluster, secrets_, capfd):
 
 
 def test_decode_replica_killed_mid_stream(cluster, auth):
-    """Its streams end with one SSE error event and [DONE]; the other replica's streams
-    complete untouched; requests sent right after are retried elsewhere and succeed."""
+    """In flight on the killed replica: a stream ends with one SSE error event and
+    [DONE], a non-streaming request is a 503 `replica_failed`; the other replica's
+    requests complete untouched; requests sent right after are retried elsewhere and
+    succeed; Serve starts a replacement."""
     body = completion(PROMPT, max_tokens=LONG, ignore_eos=True)
     reached = threading.Barrier(7, timeout=60)
 
@@ -338,29 +340,44 @@ def test_decode_replica_killed_mid_stream(cluster, auth):
             reached.wait()
         return False
 
-    def client(i: int):
+    def streamed(i: int):
         with httpx.Client(base_url=str(cluster.base_url), timeout=120) as c:
             return stream(c, {**body, "prompt": [i + 1, *PROMPT]}, {**auth, "x-pd-mode": "local"}, on_event)
 
-    with concurrent.futures.ThreadPoolExecutor(6) as pool:
-        futures = [pool.submit(client, i) for i in range(6)]
-        reached.wait()
-        victim = rs.replicas("decode")[0]
+    def plain(i: int) -> httpx.Response:
+        with httpx.Client(base_url=str(cluster.base_url), timeout=120) as c:
+            return c.post("/v1/completions", json={**body, "prompt": [i + 100, *PROMPT]},
+                          headers={**auth, "x-pd-mode": "local"})
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        plains = [pool.submit(plain, i) for i in range(2)]
+        streams = [pool.submit(streamed, i) for i in range(6)]
+        reached.wait()  # every stream has tokens; the plain requests started before them
+        before = rs.replicas("decode")
+        victim = before[0]
         num_on_victim = rs.debug_state(victim)["num_running"]
         rs.kill_replica(victim.replica_id)
         killed = time.monotonic()
-        results = [f.result(120) for f in futures]
+        old_ids = {r.replica_id for r in before}
+        replaced_s = _wait_for(lambda: [r for r in rs.replicas("decode") if r.replica_id not in old_ids], 150)
+        results = [f.result(120) for f in streams]
+        answers = [f.result(120) for f in plains]
     errors = [r for r in results if r.error is not None]
-    record("decode_kill", {"in_flight": 6, "on_victim": num_on_victim, "errored": len(errors),
-                           "end_after_kill_s": round(max(time.monotonic() - killed, 0), 2)})
+    failed_plain = [r for r in answers if r.status_code != 200]
+    record("decode_kill", {"in_flight": 8, "on_victim": num_on_victim, "errored": len(errors) + len(failed_plain),
+                           "new_replica_s": round(replaced_s, 2),
+                           "all_ended_after_kill_s": round(time.monotonic() - killed, 2)})
     assert all(r.status == 200 and r.done for r in results), [r.events[-2:] for r in results]
-    assert len(errors) == num_on_victim, (num_on_victim, [r.error for r in errors])
     assert all(e.error["code"] == "replica_failed" for e in errors)
+    for r in failed_plain:
+        assert_error(r, 503, "replica_failed")
+    assert len(errors) + len(failed_plain) == num_on_victim, (num_on_victim, len(errors), len(failed_plain))
     assert all(r.num_tokens == LONG for r in results if r.error is None)
+    assert all(len(r.json()["choices"][0]["text"]) > 0 for r in answers if r.status_code == 200)
     after = [cluster.post("/v1/completions", json=completion(f"after the kill {i}", max_tokens=2), headers=auth)
              for i in range(6)]
     assert [r.status_code for r in after] == [200] * 6, [r.text for r in after if r.status_code != 200]
-    record("decode_recovery_s", round(rs.wait_health(cluster), 2))
+    rs.wait_health(cluster)
 
 
 def test_prefill_replica_killed_under_load_recovers(cluster, auth):
