@@ -319,6 +319,7 @@ def test_secrets_never_logged(cluster, secrets_, capfd):
             leaks += [(str(path), v[:6]) for v in values if v in data]
     out, err = capfd.readouterr()
     leaks += [("captured output", v[:6]) for v in values if v in (out + err).encode()]
+    record("secrets_grep", {"secrets": len(values), "log_files": num_files, "hits": len(leaks)})
     assert num_files > 10, f"no Ray logs found under {session_dir}"
     assert not leaks, leaks
 
