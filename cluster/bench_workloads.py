@@ -6,7 +6,7 @@ does, the benchmark first measures one request alone on one replica (`Baseline`)
 states every rate as a fraction of a replica's capacity and every SLO as a multiple
 (`SLO_SCALE`) of that unloaded latency. The realized numbers go into the JSON report.
 
-- `short_low_load`: short prompts, about half a request in flight on average.
+- `short_low_load`: short prompts, about one request in flight on average (two replicas).
 - `long_high_load`: long prompts at 70% of what two replicas can prefill, i.e. 140% of
   one prefill replica: colocated copes, always-disaggregate queues, `auto` must spill
   prompts to the decode replica.
@@ -54,11 +54,11 @@ def bench_workloads(b: Baseline) -> dict[str, ClusterWorkload]:
     return {
         "short_low_load": ClusterWorkload(
             "short_low_load", "short prompts at low load: disaggregation can only add a hop",
-            (RequestClass("short", SHORT_PROMPT, 32, num_requests=24, rate=0.5 / (b.e2e_ms(32) / 1000.0),
+            (RequestClass("short", SHORT_PROMPT, 32, num_requests=24, rate=1.0 / (b.e2e_ms(32) / 1000.0),
                           slo=short_slo),)),
         "long_high_load": ClusterWorkload(
             "long_high_load", "long prompts at 70% of two replicas' prefill capacity",
-            (RequestClass("long", LONG_PROMPT, 16, num_requests=16, rate=LONG_LOAD * 2 / long_s, slo=long_slo),)),
+            (RequestClass("long", LONG_PROMPT, 16, num_requests=12, rate=LONG_LOAD * 2 / long_s, slo=long_slo),)),
         "mixed": ClusterWorkload(
             "mixed", "~3 short-prompt streams decode while long prompts arrive (interference)",
             (RequestClass("short", SHORT_PROMPT, 48, num_requests=num_short_mixed, rate=3.0 / stream_s,
