@@ -42,7 +42,9 @@ def test_bench_workloads_follow_the_baseline():
     assert slow["short_low_load"].slo.ttft_ms == 2 * fast["short_low_load"].slo.ttft_ms == 500
     mixed = fast["mixed"]
     assert [c.name for c in mixed.classes] == ["short", "long"]
-    assert mixed.slo_of("long").ttft_ms == 5000 and mixed.classes[1].interval_s == 2.0
+    assert mixed.slo_of("long").ttft_ms == 5000 and mixed.classes[1].num_requests == 4
+    stream_s = (50 + 31 * 20) / 1000  # a 32-token stream alone
+    assert abs(mixed.classes[1].interval_s - 40 * stream_s / 3 / 4) < 1e-9
 
 
 def test_bench_cluster_quick_prints_json(tmp_path):
