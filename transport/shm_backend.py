@@ -26,6 +26,7 @@ from transport.datapath import (
     RecvPath,
     Reply,
     SendPath,
+    copy_bytes,
     tensor_bytes,
     tensor_from_bytes,
     verify_checksum,
@@ -64,7 +65,7 @@ class ShmSendPath(SendPath):
             return self._inline.payload(header, kv)
         slot.transfer_id = header.transfer_id
         dst = slot.data[: header.nbytes]
-        dst.copy_(kv.detach().reshape(-1).view(torch.uint8).cpu())
+        copy_bytes(dst, kv.detach().cpu().contiguous())
         header.checksum = payload_checksum(tensor_bytes(dst))
         header.extra = {"file": slot.name, "size": slot.size}
         return []
