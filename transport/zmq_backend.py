@@ -32,6 +32,7 @@ from transport.config import TransportConfig
 from transport.datapath import InlineRecvPath, InlineSendPath, RecvPath, SendPath
 from transport.metrics import TransportMetrics
 from transport.transfers import TransferTable
+from transport.warm_memory import keep_freed_memory_warm
 from transport.wire import ABORT, ACK, DONE, HELLO, LAYER, NACK, Header, WireCodec
 from workers.engine.kv_types import KVLayout, KVReservation
 
@@ -51,6 +52,7 @@ class ZmqReceiver(KVReceiver):
         self.config = config
         self.metrics = metrics or TransportMetrics()
         self.codec = WireCodec(config.resolve_key(), config.wire_limits)
+        keep_freed_memory_warm()  # each received layer is a multi-MiB allocation
         self.table = TransferTable(target, config.bounds, self.metrics, config.reservation_ttl_s)
         self._paths = {p.name: p for p in (recv_paths or [InlineRecvPath()])}
         self._ctx = zmq.Context(io_threads=1)
