@@ -34,7 +34,8 @@ def ray_cluster():
 
     os.environ.setdefault("PDC_TRANSPORT_KEY", "test-transport-key-0123456789")
     if not ray.is_initialized():
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+        # address="local": always a fresh cluster of our own, never one left running.
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": "1",
                                            "PDC_TRANSPORT_KEY": os.environ["PDC_TRANSPORT_KEY"]}})
     port = _free_port()
