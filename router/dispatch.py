@@ -105,6 +105,7 @@ async def start(handles: dict, view: ClusterView, plan_fn, make_request, timeout
             stream.cancel()
             view.end(plan)
             raise
+        view.prefill_done(plan)  # the first chunk comes after the prefill, wherever it ran
         call = Call(plan, stream, first, view)
         if first.finish_reason == "error":
             call.close()

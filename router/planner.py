@@ -29,6 +29,7 @@ class RoutePlan:
     decision: RouteDecision
     num_cached_tokens: int
     hashes: list[int] = field(default_factory=list, repr=False)
+    prefill_released: bool = False  # the remote prefill finished: the prefill replica is free
 
 
 class ClusterView:
@@ -65,9 +66,19 @@ class ClusterView:
 
     def end(self, plan: RoutePlan) -> None:
         for replica_id in _touched(plan):
-            self.inflight[replica_id] -= 1
-            if self.inflight[replica_id] <= 0:
-                del self.inflight[replica_id]
+            self._release(replica_id)
+
+    def prefill_done(self, plan: RoutePlan) -> None:
+        """The first token is back: a disaggregated request no longer loads its prefill
+        replica (it decodes elsewhere), so `max_prefill_queue` counts prefills only."""
+        if plan.prefill_replica and not plan.prefill_released:
+            plan.prefill_released = True
+            self._release(plan.prefill_replica)
+
+    def _release(self, replica_id: str) -> None:
+        self.inflight[replica_id] -= 1
+        if self.inflight[replica_id] <= 0:
+            del self.inflight[replica_id]
 
     def plan(self, prompt_ids: list[int], max_tokens: int, profile: ProfileView,
              forced_mode: str | None, offload_to_prefill: bool = True) -> RoutePlan:
@@ -127,4 +138,5 @@ class ClusterView:
 
 
 def _touched(plan: RoutePlan) -> list[str]:
-    return [r for r in (plan.target_replica, plan.prefill_replica) if r]
+    prefill = None if plan.prefill_released else plan.prefill_replica
+    return [r for r in (plan.target_replica, prefill) if r]
