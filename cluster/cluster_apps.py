@@ -18,7 +18,7 @@ NUM_KV_BLOCKS = 2048  # 32k tokens per replica: never the limit in these workloa
 
 
 def app_args(preset: str, cache_dir: str | None, num_prefill: int, num_decode: int,
-             mode: str = "auto", *, min_remote_prefill_tokens: int = 256, max_prefill_queue: int = 2,
+             mode: str = "auto", *, min_remote_prefill_tokens: int = 256, max_prefill_queue: int = 4,
              max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS) -> dict[str, Any]:
     """`build_app` args: `num_prefill` + `num_decode` single-threaded engine replicas whose
     default profile is `mode` and lets a client pick the mode with `x-pd-mode`."""

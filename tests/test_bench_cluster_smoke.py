@@ -38,13 +38,13 @@ def test_bench_workloads_follow_the_baseline():
     fast, slow = bench_workloads(Baseline(50, 1000, 20)), bench_workloads(Baseline(100, 2000, 40))
     assert tuple(fast) == WORKLOADS
     assert fast["long_high_load"].classes[0].rate == 2 * slow["long_high_load"].classes[0].rate
-    assert fast["long_high_load"].classes[0].rate == 0.7 * 2 / 1.0  # 70% of two replicas
+    assert fast["long_high_load"].classes[0].rate == 0.55 * 2 / 1.0  # 110% of one replica
     assert slow["short_low_load"].slo.ttft_ms == 2 * fast["short_low_load"].slo.ttft_ms == 500
     mixed = fast["mixed"]
     assert [c.name for c in mixed.classes] == ["short", "long"]
     assert mixed.slo_of("long").ttft_ms == 5000 and mixed.classes[1].num_requests == 4
     stream_s = (50 + 31 * 20) / 1000  # a 32-token stream alone
-    assert abs(mixed.classes[1].interval_s - 40 * stream_s / 3 / 4) < 1e-9
+    assert abs(mixed.classes[1].interval_s - 40 * stream_s / 2 / 4) < 1e-9
 
 
 def test_bench_cluster_quick_prints_json(tmp_path):
