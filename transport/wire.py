@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 
 import msgpack
 import xxhash
@@ -94,7 +94,9 @@ class WireCodec:
         return f"WireCodec(limits={self.limits})"
 
     def seal(self, header: Header) -> list[bytes]:
-        blob = msgpack.packb(asdict(header), use_bin_type=True)
+        # Not dataclasses.asdict: its recursive deep copy cost ~40 us of a ~60 us send.
+        blob = msgpack.packb({name: getattr(header, name) for name in _FIELD_TYPES},
+                             use_bin_type=True)
         return [blob, hmac.new(self._key, blob, hashlib.sha256).digest()]
 
     def open(self, blob: bytes, mac: bytes) -> Header:
