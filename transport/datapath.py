@@ -33,8 +33,9 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     on a busy node the OpenMP barrier waits for a descheduled worker (a 128 KiB layer
     was measured taking 100 ms). ctypes releases the GIL during the copy."""
     nbytes = src.numel() * src.element_size()
-    assert src.is_contiguous() and dst.is_contiguous() and not src.is_cuda and \
-        dst.numel() * dst.element_size() == nbytes
+    if not (src.is_contiguous() and dst.is_contiguous() and src.device.type == "cpu"
+            and dst.device.type == "cpu" and dst.numel() * dst.element_size() == nbytes):
+        raise ValueError("copy_bytes needs contiguous CPU tensors of equal byte size")
     ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
 
 

@@ -1,0 +1,30 @@
+"""The transport's own memory helpers: the single-threaded copy and the malloc tuning."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from transport.datapath import copy_bytes
+from transport.warm_memory import keep_freed_memory_warm
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
+def test_copy_bytes_is_bit_exact(dtype):
+    src = torch.randn(3, 5, 7).to(dtype)
+    dst = torch.zeros(3 * 5 * 7 * src.element_size(), dtype=torch.uint8)
+    copy_bytes(dst, src)
+    assert torch.equal(dst.view(dtype).view(src.shape), src)
+
+
+def test_copy_bytes_refuses_mismatched_sizes():
+    with pytest.raises(ValueError):
+        copy_bytes(torch.zeros(3), torch.zeros(4))
+
+
+def test_malloc_tuning_is_idempotent():
+    has_mallopt = hasattr(ctypes.CDLL(None), "mallopt")
+    assert keep_freed_memory_warm() == has_mallopt
+    assert keep_freed_memory_warm() == has_mallopt
