@@ -7,8 +7,9 @@ import ctypes
 import pytest
 import torch
 
-from transport.datapath import copy_bytes
+from transport.datapath import copy_and_checksum, copy_bytes, tensor_bytes
 from transport.warm_memory import keep_freed_memory_warm
+from transport.wire import payload_checksum
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
@@ -28,3 +29,11 @@ def test_malloc_tuning_is_idempotent():
     has_mallopt = hasattr(ctypes.CDLL(None), "mallopt")
     assert keep_freed_memory_warm() == has_mallopt
     assert keep_freed_memory_warm() == has_mallopt
+
+
+def test_copy_and_checksum_matches_the_one_pass_checksum():
+    src = torch.randn(1000, 333)  # not a multiple of the chunk
+    dst = torch.zeros_like(src)
+    digest = copy_and_checksum(dst, src, chunk=4096)
+    assert torch.equal(dst, src)
+    assert digest == payload_checksum(tensor_bytes(src))

@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 import torch
+import xxhash
 
 from transport.base import TransferCorrupt
 from transport.wire import INLINE, Header, payload_checksum
@@ -26,17 +27,36 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
+def _byte_size(dst: torch.Tensor, src: torch.Tensor) -> int:
+    """Bytes to copy; raises unless both are contiguous CPU tensors of that size (a memmove
+    must never overrun)."""
+    nbytes = src.numel() * src.element_size()
+    if not (src.is_contiguous() and dst.is_contiguous() and src.device.type == "cpu"
+            and dst.device.type == "cpu" and dst.numel() * dst.element_size() == nbytes):
+        raise ValueError("byte copies need contiguous CPU tensors of equal byte size")
+    return nbytes
+
+
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     """memcpy between contiguous CPU tensors of equal byte size, on the calling thread.
 
     Not `Tensor.copy_`: that splits big copies across torch's intra-op thread pool, and
     on a busy node the OpenMP barrier waits for a descheduled worker (a 128 KiB layer
     was measured taking 100 ms). ctypes releases the GIL during the copy."""
-    nbytes = src.numel() * src.element_size()
-    if not (src.is_contiguous() and dst.is_contiguous() and src.device.type == "cpu"
-            and dst.device.type == "cpu" and dst.numel() * dst.element_size() == nbytes):
-        raise ValueError("copy_bytes needs contiguous CPU tensors of equal byte size")
-    ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
+    ctypes.memmove(dst.data_ptr(), src.data_ptr(), _byte_size(dst, src))
+
+
+def copy_and_checksum(dst: torch.Tensor, src: torch.Tensor, chunk: int = 512 << 10) -> int:
+    """`copy_bytes`, returning the `payload_checksum` of the bytes. Each chunk is hashed
+    right after it is copied, while it is still in cache, rather than re-read from memory
+    in a second pass."""
+    nbytes = _byte_size(dst, src)
+    digest, out = xxhash.xxh3_64(), tensor_bytes(dst)
+    for start in range(0, nbytes, chunk):
+        size = min(chunk, nbytes - start)
+        ctypes.memmove(dst.data_ptr() + start, src.data_ptr() + start, size)
+        digest.update(out[start:start + size])
+    return digest.intdigest()
 
 
 def tensor_from_bytes(buf: memoryview | bytes, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:

@@ -26,12 +26,12 @@ from transport.datapath import (
     RecvPath,
     Reply,
     SendPath,
-    copy_bytes,
+    copy_and_checksum,
     tensor_bytes,
     tensor_from_bytes,
     verify_checksum,
 )
-from transport.wire import RELEASE, SHM, Header, payload_checksum
+from transport.wire import RELEASE, SHM, Header
 
 SHM_DIR = Path("/dev/shm")
 _SLOT_NAME = re.compile(r"^pdc-kv-[0-9a-f]{24}$")
@@ -65,8 +65,7 @@ class ShmSendPath(SendPath):
             return self._inline.payload(header, kv)
         slot.transfer_id = header.transfer_id
         dst = slot.data[: header.nbytes]
-        copy_bytes(dst, kv.detach().cpu().contiguous())
-        header.checksum = payload_checksum(tensor_bytes(dst))
+        header.checksum = copy_and_checksum(dst, kv.detach().cpu().contiguous())
         header.extra = {"file": slot.name, "size": slot.size}
         return []
 
