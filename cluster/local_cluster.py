@@ -16,11 +16,6 @@ from dataclasses import dataclass, field
 import httpx
 
 NUM_RAY_CPUS = 8  # accounting only: room for two apps' replicas, routers and control planes
-# Serve's per-request hops on a two-core machine: run each replica's user code and its
-# outgoing-request router on the replica's main event loop instead of one more thread
-# each, which under a contended GIL costs milliseconds per hop (see docs/benchmarks.md).
-SERVE_LATENCY_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
-                     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 HEALTH_TIMEOUT_S = 240.0
 
 
@@ -38,7 +33,7 @@ class LocalCluster:
     running; otherwise starts a local one and shuts it down on exit."""
 
     log: Callable[[str], None] = print
-    serve_env: dict[str, str] = field(default_factory=lambda: dict(SERVE_LATENCY_ENV))
+    serve_env: dict[str, str] = field(default_factory=dict)  # extra env for every Ray worker
     http_port: int | None = None
     owns_ray: bool = False
     apps: list[str] = field(default_factory=list)
