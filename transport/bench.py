@@ -2,7 +2,8 @@
 
 Every figure is the median of repeated transfers between two processes, timed on the
 sending side from the first byte handed over to the receiver's acknowledgement (which it
-sends once the data sits in its KV blocks). GB/s = 1e9 bytes/s. Payloads are streamed as
+sends once the data sits in its KV blocks); the methods of one size take turns, one
+transfer each per round, so a shared machine's changing load weighs on all of them alike. GB/s = 1e9 bytes/s. Payloads are streamed as
 8 layers, like a real prompt. Baselines: a raw TCP socket carrying the same bytes into a
 preallocated buffer (the loopback limit), Ray's object store (`ray.put` in one actor,
 `ray.get` plus one copy into a destination in another, timed inside the actors so the
@@ -11,11 +12,13 @@ actor-call overhead is excluded), and a single in-process memcpy.
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing as mp
 import socket
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -69,7 +72,7 @@ def _receiver_main(conn, layout_fields: tuple, num_blocks: int) -> None:
             receivers[key].future(tid).add_done_callback(lambda f, r=res: target.commit(r))
             conn.send("ok")
         elif cmd == "tcp":
-            conn.send(_tcp_server_port(args[0], args[1]))
+            conn.send(_tcp_server_port(args[0]))
     for rx in receivers.values():
         rx.close()
 
@@ -95,16 +98,17 @@ class ReceiverProcess:
 
 # -- transport backends ------------------------------------------------------------------------
 
-def time_transport(rx: ReceiverProcess, backend: str, layout: KVLayout, num_blocks: int,
-                   repeats: int, curve: bool = False) -> list[float]:
+def transport_timer(rx: ReceiverProcess, backend: str, layout: KVLayout, layers: list,
+                    curve: bool = False) -> Iterator[float]:
+    """Seconds of one more transfer of `layers`, per `next()`; an untimed first transfer
+    warms connections and buffers."""
     from transport.factory import make_sender
 
     address = rx.call("start", backend, curve)
     sender = make_sender(_config(backend, curve))
-    layers = synthetic_layers(layout, num_blocks, 0)
-    times = []
+    num_blocks = layers[0].shape[1]
     try:
-        for i in range(repeats + 1):  # the first run warms connections and buffers
+        for i in itertools.count():
             tid = f"bench-{backend}-{curve}-{num_blocks}-{i}"
             rx.call("expect", (backend, curve), tid, num_blocks)
             t0 = time.perf_counter()
@@ -114,15 +118,35 @@ def time_transport(rx: ReceiverProcess, backend: str, layout: KVLayout, num_bloc
             sink.on_complete(0)
             sink.wait(120)
             if i:
-                times.append(time.perf_counter() - t0)
+                yield time.perf_counter() - t0
     finally:
         sender.close()
+
+
+def time_transport(rx: ReceiverProcess, backend: str, layout: KVLayout, num_blocks: int,
+                   repeats: int, curve: bool = False) -> list[float]:
+    layers = synthetic_layers(layout, num_blocks, 0)
+    return interleaved({backend: transport_timer(rx, backend, layout, layers, curve)},
+                       repeats)[backend]
+
+
+def interleaved(timers: dict[str, Iterator[float]], repeats: int) -> dict[str, list[float]]:
+    """`repeats` rounds of one transfer per method, so load that comes and goes on a shared
+    machine weighs on every method alike and their ratios stay meaningful."""
+    times: dict[str, list[float]] = {name: [] for name in timers}
+    try:
+        for _ in range(repeats):
+            for name, timer in timers.items():
+                times[name].append(next(timer))
+    finally:
+        for timer in timers.values():
+            timer.close()
     return times
 
 
 # -- baselines ---------------------------------------------------------------------------------
 
-def _tcp_server_port(nbytes: int, repeats: int) -> int:
+def _tcp_server_port(nbytes: int) -> int:
     import threading
 
     srv = socket.socket()
@@ -131,50 +155,48 @@ def _tcp_server_port(nbytes: int, repeats: int) -> int:
 
     def serve() -> None:
         conn, _ = srv.accept()
-        buf = bytearray(nbytes)
-        view = memoryview(buf)
-        for _ in range(repeats):
-            got = 0
-            while got < nbytes:
-                n = conn.recv_into(view[got:])
-                if not n:
-                    return
-                got += n
-            conn.sendall(b"k")
-        conn.close()
         srv.close()
+        view = memoryview(bytearray(nbytes))
+        with conn:
+            while _recv_exactly(conn, view):  # until the client closes
+                conn.sendall(b"k")
+
+    def _recv_exactly(conn: socket.socket, view: memoryview) -> bool:
+        got = 0
+        while got < len(view):
+            n = conn.recv_into(view[got:])
+            if not n:
+                return False
+            got += n
+        return True
 
     threading.Thread(target=serve, daemon=True).start()
     return srv.getsockname()[1]
 
 
-def time_raw_tcp(rx: ReceiverProcess, nbytes: int, repeats: int) -> list[float]:
-    port = rx.call("tcp", nbytes, repeats + 1)
+def raw_tcp_timer(rx: ReceiverProcess, nbytes: int) -> Iterator[float]:
+    port = rx.call("tcp", nbytes)
     data = memoryview(bytearray(torch.randint(0, 255, (nbytes,), dtype=torch.uint8).numpy()))
-    times = []
     with socket.create_connection(("127.0.0.1", port)) as sock:
-        for i in range(repeats + 1):
+        for i in itertools.count():
             t0 = time.perf_counter()
             sock.sendall(data)
             sock.recv(1)
             if i:
-                times.append(time.perf_counter() - t0)
-    return times
+                yield time.perf_counter() - t0
 
 
-def time_memcpy(nbytes: int, repeats: int) -> list[float]:
+def memcpy_timer(nbytes: int) -> Iterator[float]:
     """One single-threaded memcpy between warm buffers: the unit a same-node path pays
     twice. (`Tensor.copy_` would fan out to torch's thread pool and, on a busy machine,
     measure OpenMP barrier waits rather than memory.)"""
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
     dst = torch.ones_like(src)  # both buffers' pages present before the first timing
-    times = []
-    for i in range(repeats + 1):
+    for i in itertools.count():
         t0 = time.perf_counter()
         copy_bytes(dst, src)
         if i:
-            times.append(time.perf_counter() - t0)
-    return times
+            yield time.perf_counter() - t0
 
 
 def time_ray(sizes: list[int], repeats: int) -> dict[int, list[float]]:
@@ -240,13 +262,16 @@ def run(sizes_mib: list[int], repeats: int, with_ray: bool = True, with_curve: b
         for mib in sizes_mib:
             nbytes, num_blocks = mib * MIB, mib * MIB // block_bytes
             reps = max(1, repeats if mib < 256 else (repeats + 1) // 2)
-            log(f"{mib} MiB ({reps} repeats)")
-            for backend in ("zmq", "nccl", "shm"):
-                add(backend, nbytes, time_transport(rx, backend, layout, num_blocks, reps))
+            log(f"{mib} MiB ({reps} interleaved repeats)")
+            layers = synthetic_layers(layout, num_blocks, 0)
+            timers = {backend: transport_timer(rx, backend, layout, layers)
+                      for backend in ("zmq", "nccl", "shm")}
             if with_curve and mib <= 64:
-                add("zmq_curve", nbytes, time_transport(rx, "zmq", layout, num_blocks, reps, True))
-            add("raw_tcp", nbytes, time_raw_tcp(rx, nbytes, reps))
-            add("memcpy", nbytes, time_memcpy(nbytes, reps))
+                timers["zmq_curve"] = transport_timer(rx, "zmq", layout, layers, curve=True)
+            timers["raw_tcp"] = raw_tcp_timer(rx, nbytes)
+            timers["memcpy"] = memcpy_timer(nbytes)
+            for name, times in interleaved(timers, reps).items():
+                add(name, nbytes, times)
     finally:
         rx.close()
     if with_ray:
