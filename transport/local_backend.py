@@ -12,12 +12,10 @@ import itertools
 import queue
 import threading
 import weakref
-from concurrent.futures import Future
 
 import torch
 
 from transport.base import (
-    KVReceiver,
     KVSender,
     KVTarget,
     PeerGone,
@@ -27,15 +25,15 @@ from transport.base import (
 )
 from transport.config import TransportConfig
 from transport.metrics import TransportMetrics
-from transport.transfers import TransferTable
+from transport.transfers import TableReceiver, TransferTable
 from transport.wire import DONE, INLINE, LAYER, Header
-from workers.engine.kv_types import KVLayout, KVReservation
+from workers.engine.kv_types import KVLayout
 
 _RECEIVERS: weakref.WeakValueDictionary[str, LocalReceiver] = weakref.WeakValueDictionary()
 _NAMES = itertools.count()
 
 
-class LocalReceiver(KVReceiver):
+class LocalReceiver(TableReceiver):
     backend = "local"
 
     def __init__(self, config: TransportConfig, target: KVTarget,
@@ -52,20 +50,6 @@ class LocalReceiver(KVReceiver):
     @property
     def address(self) -> str:
         return f"local://{self._name}"
-
-    def expect(self, transfer_id: str, reservation: KVReservation,
-               timeout: float | None = None) -> None:
-        self.table.expect(transfer_id, reservation, timeout)
-
-    def future(self, transfer_id: str) -> Future[int]:
-        return self.table.future(transfer_id)
-
-    def cancel(self, transfer_id: str, error: TransferError | None = None) -> None:
-        self.table.fail(transfer_id, error or TransferAborted(
-            f"transfer {transfer_id} cancelled by the decode side", "cancelled", transfer_id))
-
-    def pending_ids(self) -> list[str]:
-        return self.table.pending_ids()
 
     def close(self) -> None:
         _RECEIVERS.pop(self._name, None)

@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 import torch
 
 from transport.base import (
+    KVReceiver,
     KVTarget,
+    TransferAborted,
     TransferCorrupt,
     TransferError,
     TransferRejected,
@@ -203,3 +205,24 @@ class TransferTable:
         self._finished[transfer_id] = fut
         while len(self._finished) > MAX_FINISHED:
             self._finished.popitem(last=False)
+
+
+class TableReceiver(KVReceiver):
+    """A receiver whose bookkeeping is a `TransferTable` (`self.table`): every backend
+    answers `expect`, `future`, `cancel` and `pending_ids` the same way."""
+
+    table: TransferTable
+
+    def expect(self, transfer_id: str, reservation: KVReservation,
+               timeout: float | None = None) -> None:
+        self.table.expect(transfer_id, reservation, timeout)
+
+    def future(self, transfer_id: str) -> Future[int]:
+        return self.table.future(transfer_id)
+
+    def cancel(self, transfer_id: str, error: TransferError | None = None) -> None:
+        self.table.fail(transfer_id, error or TransferAborted(
+            f"transfer {transfer_id} cancelled by the decode side", "cancelled", transfer_id))
+
+    def pending_ids(self) -> list[str]:
+        return self.table.pending_ids()

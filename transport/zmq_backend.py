@@ -12,13 +12,11 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
 
 import zmq
 
 from transport.address import PeerAddress, default_node_id, reachable_host
 from transport.base import (
-    KVReceiver,
     KVSender,
     KVTarget,
     SenderSink,
@@ -31,7 +29,7 @@ from transport.channel import PeerChannel, Waker
 from transport.config import TransportConfig
 from transport.datapath import InlineRecvPath, InlineSendPath, RecvPath, SendPath
 from transport.metrics import TransportMetrics
-from transport.transfers import TransferTable
+from transport.transfers import TableReceiver, TransferTable
 from transport.warm_memory import keep_freed_memory_warm
 from transport.wire import ABORT, ACK, DONE, HELLO, LAYER, NACK, Header, WireCodec
 from workers.engine.kv_types import KVLayout, KVReservation
@@ -43,7 +41,7 @@ log = logging.getLogger(__name__)
 _NON_FATAL = frozenset(("replay", "peer_mismatch", "unknown", "late"))
 
 
-class ZmqReceiver(KVReceiver):
+class ZmqReceiver(TableReceiver):
     backend = "zmq"
 
     def __init__(self, config: TransportConfig, target: KVTarget,
@@ -95,18 +93,8 @@ class ZmqReceiver(KVReceiver):
 
     def expect(self, transfer_id: str, reservation: KVReservation,
                timeout: float | None = None) -> None:
-        self.table.expect(transfer_id, reservation, timeout)
+        super().expect(transfer_id, reservation, timeout)
         self._waker.wake()  # recompute the poll timeout for the new deadline
-
-    def future(self, transfer_id: str) -> Future[int]:
-        return self.table.future(transfer_id)
-
-    def cancel(self, transfer_id: str, error: TransferError | None = None) -> None:
-        self.table.fail(transfer_id, error or TransferAborted(
-            f"transfer {transfer_id} cancelled by the decode side", "cancelled", transfer_id))
-
-    def pending_ids(self) -> list[str]:
-        return self.table.pending_ids()
 
     def close(self) -> None:
         self._stopping.set()
