@@ -103,3 +103,25 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(make_engine):
     alone = make_engine().generate(prompts[:1], params)[0].token_ids
     batched = make_engine(max_num_batched_tokens=8).generate(prompts, params)[0].token_ids
     assert alone == batched
+
+
+def test_decoding_streams_are_scheduled_before_prefill_chunks(make_engine):
+    """A long prompt that sorts first (higher priority) takes only the budget the running
+    streams leave: every step of its chunked prefill still advances every stream."""
+    engine = make_engine(max_num_batched_tokens=32)
+    streams = random_prompts([5, 7], seed=11)
+    for i, prompt in enumerate(streams):
+        engine.add_request(f"s{i}", prompt, greedy(40, ignore_eos=True))
+    while engine.stats()["num_running"] < 2 or any(
+            engine.requests[f"s{i}"].num_uncomputed_tokens > 1 for i in range(2)):
+        engine.step()
+    long_prompt = random_prompts([300], seed=12)[0]
+    engine.add_request("long", long_prompt, greedy(2, ignore_eos=True, priority=1))
+    prefill_steps = 0
+    while engine.requests["long"].num_computed_tokens < len(long_prompt):
+        advanced = {out.request_id for out in engine.step() if out.new_token_ids}
+        assert {"s0", "s1"} <= advanced, f"a stream stalled behind the prefill: {advanced}"
+        prefill_steps += 1
+    assert prefill_steps >= 300 // 32  # it really was chunked around the streams
+    while engine.has_unfinished_requests():
+        engine.step()

@@ -1,9 +1,9 @@
 """Continuous batching under one token budget per step (the vLLM v1 idea).
 
-No prefill or decode phases: every step walks the running sequences in priority order
-and lets each catch `num_computed_tokens` up towards `num_tokens` (one token for a
-decoding sequence, a chunk for a prefilling one) until `max_num_batched_tokens` is
-spent; leftover budget admits waiting sequences. When blocks run out, the running
+No prefill or decode phases: every step lets each running sequence catch
+`num_computed_tokens` up towards `num_tokens` (one token for a decoding sequence, a chunk
+for a prefilling one) until `max_num_batched_tokens` is spent, decoding sequences first,
+then prefills in priority order; leftover budget admits waiting sequences. When blocks run out, the running
 sequence that sorts last (lowest priority, latest arrival) is preempted: its blocks are
 freed and it is recomputed later, its prefix most likely served by the prefix cache.
 """
@@ -61,24 +61,32 @@ class Scheduler:
 
     def _schedule_running(self, budget: int) -> tuple[list[ScheduledSeq], bool]:
         self.running.sort(key=lambda s: s.priority_key)
-        scheduled: list[ScheduledSeq] = []
+        # Decode tokens first, prefill chunks from what is left (stall-free batching): a
+        # long prompt admitted before a stream takes one chunk of budget per step, never
+        # the whole step, so the streams beside it keep their inter-token latency.
+        order = sorted(self.running, key=lambda s: s.num_uncomputed_tokens > 1)  # stable
+        scheduled: dict[str, ScheduledSeq] = {}
         preempted = False
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        for seq in order:
+            if budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop to make room for another
             num_new = min(seq.num_uncomputed_tokens, budget)
             assert num_new > 0, f"running sequence {seq.request_id} has nothing to compute"
             while not self.block_manager.allocate(seq, seq.num_computed_tokens + num_new):
                 victim = self.running[-1]  # sorts last: lowest priority, latest arrival
                 self._preempt(victim)
                 preempted = True
+                undone = scheduled.pop(victim.request_id, None)
+                if undone is not None:
+                    budget += undone.num_new_tokens
                 if victim is seq:
                     break
             if seq.status is SequenceStatus.RUNNING:
-                scheduled.append(ScheduledSeq(seq, num_new))
+                scheduled[seq.request_id] = ScheduledSeq(seq, num_new)
                 budget -= num_new
-                i += 1
-        return scheduled, preempted
+        return list(scheduled.values()), preempted
 
     def _admit_waiting(self, budget: int) -> list[ScheduledSeq]:
         self.waiting.sort(key=lambda s: s.priority_key)
