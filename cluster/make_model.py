@@ -11,6 +11,7 @@ special tokens, so any text round-trips and prompt lengths in tokens are exact.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,6 +78,7 @@ def _byte_of(ch: str) -> int:
     return _unicode_to_byte()[ch]
 
 
+@functools.cache
 def _unicode_to_byte() -> dict[str, int]:
     printable = (
         list(range(ord("!"), ord("~") + 1))
@@ -90,7 +92,7 @@ def _unicode_to_byte() -> dict[str, int]:
             printable.append(b)
             codes.append(256 + extra)
             extra += 1
-    return {chr(c): b for b, c in zip(printable, codes)}
+    return {chr(c): b for b, c in zip(printable, codes, strict=True)}
 
 
 def make_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
