@@ -72,14 +72,18 @@ def _stream(tokenizer, token_ids, prompt_token_ids=None) -> list[str]:
     return [detok.push(t) for t in token_ids] + [detok.flush()]
 
 
-@pytest.mark.parametrize("name", TOKENIZERS)
-@pytest.mark.parametrize("text", SAMPLES)
-def test_stream_joins_to_full_decode_without_replacement_chars(request, name, text):
-    tokenizer = request.getfixturevalue(name)
+def _assert_clean_stream(tokenizer, text: str) -> None:
+    """Streamed pieces join to the full decode and none shows a replacement character."""
     token_ids = tokenizer.encode(text, add_special_tokens=False)
     pieces = _stream(tokenizer, token_ids)
     assert "".join(pieces) == tokenizer.decode(token_ids)
     assert not any("\ufffd" in p for p in pieces)
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+@pytest.mark.parametrize("text", SAMPLES)
+def test_stream_joins_to_full_decode_without_replacement_chars(request, name, text):
+    _assert_clean_stream(request.getfixturevalue(name), text)
 
 
 def test_byte_tokenizer_holds_multibyte_characters_until_complete(byte_tokenizer):
@@ -126,11 +130,7 @@ PROPERTY = settings(max_examples=60, deadline=None,
                     max_size=40))
 @pytest.mark.parametrize("name", TOKENIZERS)
 def test_property_valid_text_never_shows_replacement_mid_stream(request, name, text):
-    tokenizer = request.getfixturevalue(name)
-    token_ids = tokenizer.encode(text, add_special_tokens=False)
-    pieces = _stream(tokenizer, token_ids)
-    assert "".join(pieces) == tokenizer.decode(token_ids)
-    assert not any("\ufffd" in p for p in pieces)
+    _assert_clean_stream(request.getfixturevalue(name), text)
 
 
 @PROPERTY

@@ -112,20 +112,27 @@ def test_concurrent_transfers_between_processes(backend):
             rx.close()
 
 
+def _send_one(tx, rx, target, layout, transfer_id, *, num_blocks, seed, first_token_id):
+    """One whole transfer of synthetic layers; returns (reservation, sink, layers sent)."""
+    res = target.reserve(transfer_id, num_blocks)
+    rx.expect(transfer_id, res)
+    sink = tx.open(transfer_id, rx.address, layout)
+    layers = synthetic_layers(layout, num_blocks, seed)
+    for i, kv in enumerate(layers):
+        sink.on_layer(i, kv)
+    sink.on_complete(first_token_id)
+    assert rx.wait(transfer_id, TIMEOUT_S) == first_token_id
+    return res, sink, layers
+
+
 def test_bf16_layers_are_bit_identical():
     layout = make_layout(dtype="bfloat16")
     target = MemoryTarget(layout, 16)
     rx = make_receiver(config("zmq"), target)
     tx = make_sender(config("zmq"))
     try:
-        res = target.reserve("bf16", 3)
-        rx.expect("bf16", res)
-        sink = tx.open("bf16", rx.address, layout)
-        layers = synthetic_layers(layout, 3, 7)
-        for i, kv in enumerate(layers):
-            sink.on_layer(i, kv)
-        sink.on_complete(5)
-        assert rx.wait("bf16", TIMEOUT_S) == 5
+        res, sink, layers = _send_one(tx, rx, target, layout, "bf16", num_blocks=3, seed=7,
+                                      first_token_id=5)
         for i, kv in enumerate(layers):
             assert torch.equal(target.read(res, i).view(torch.int16), kv.view(torch.int16))
     finally:
@@ -138,14 +145,8 @@ def test_local_backend_in_process():
     rx = make_receiver(config("local"), target)
     tx = make_sender(config("local"))
     try:
-        res = target.reserve("loc", 4)
-        rx.expect("loc", res)
-        sink = tx.open("loc", rx.address, LAYOUT)
-        layers = synthetic_layers(LAYOUT, 4, 1)
-        for i, kv in enumerate(layers):
-            sink.on_layer(i, kv)
-        sink.on_complete(9)
-        assert rx.wait("loc", TIMEOUT_S) == 9
+        res, sink, layers = _send_one(tx, rx, target, LAYOUT, "loc", num_blocks=4, seed=1,
+                                      first_token_id=9)
         sink.wait(TIMEOUT_S)
         assert all(torch.equal(target.read(res, i), kv) for i, kv in enumerate(layers))
         # an unknown id is refused, not written
