@@ -98,6 +98,7 @@ class ClusterView:
             forced_mode=forced_mode, num_healthy_prefill=len(prefills),
             prefill_queue_len=self.load(prefill) if prefill else 0,
             decode_has_room=self._has_room(decode, len(prompt_ids) + max_tokens, hit_blocks),
+            decode_num_requests=self.load(decode),
             prefill_stats=dict(prefill.stats) if prefill else {}, decode_stats=dict(decode.stats))
         decision = decide(ctx)
         if decision.route == "disagg":

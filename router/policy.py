@@ -25,6 +25,7 @@ class ProfileView:
     mode: str = "auto"
     min_remote_prefill_tokens: int = 256
     max_prefill_queue: int = 4
+    max_local_prefill_tokens_while_decoding: int = 512
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,10 @@ class RouteContext:
     num_healthy_prefill: int = 0
     prefill_queue_len: int = 0  # of the least-loaded healthy prefill replica
     decode_has_room: bool = True  # the decode replica can hold this request's KV now
+    # requests the decode replica runs or is about to (its reported running + waiting, or
+    # what this router has in flight there, remote prefills included): what a local
+    # prefill on it would stall
+    decode_num_requests: int = 0
     prefill_stats: dict[str, Any] = field(default_factory=dict)  # for future predictive policies
     decode_stats: dict[str, Any] = field(default_factory=dict)
 
@@ -89,21 +94,29 @@ class DisaggPolicy(RoutingPolicy):
 
 
 class AutoPolicy(RoutingPolicy):
-    """Disaggregate only when it pays: a long uncached prompt, an unqueued prefill pool
-    and a decode replica with room for the transfer (Dynamo's conditional rule)."""
+    """Disaggregate only when it pays (Dynamo's conditional rule): a long uncached prompt
+    goes to the prefill pool; a busy pool (`max_prefill_queue` reached) spills it to the
+    decode replica only where that prefill would not stall streams there (Dynamo's
+    decode-busy guard): the replica has nothing running or coming, or the uncached prompt
+    is at most `max_local_prefill_tokens_while_decoding`. Otherwise it queues for the
+    prefill pool: a 1-2k-token local prefill takes seconds, every stream beside it stalls
+    once per chunk and misses its TPOT, while the queue costs only TTFT."""
 
     def decide(self, ctx: RouteContext) -> RouteDecision:
         if ctx.num_healthy_prefill == 0:
             return RouteDecision("local", "prefill-unhealthy")
-        threshold = ctx.profile.min_remote_prefill_tokens
+        profile = ctx.profile
+        threshold = profile.min_remote_prefill_tokens
         if ctx.num_uncached_tokens < threshold:
             reason = "prefix-hit" if ctx.prompt_len >= threshold else "short-prompt"
             return RouteDecision("local", reason)
-        if ctx.prefill_queue_len >= ctx.profile.max_prefill_queue:
+        if ctx.prefill_queue_len >= profile.max_prefill_queue and (
+                ctx.decode_num_requests == 0
+                or ctx.num_uncached_tokens <= profile.max_local_prefill_tokens_while_decoding):
             return RouteDecision("local", "prefill-busy")
         if not ctx.decode_has_room:
             return RouteDecision("local", "decode-busy")
-        return RouteDecision("disagg", "long-prompt")
+        return RouteDecision("disagg", "long-prompt")  # queued behind a busy pool, if need be
 
 
 def policy_for(ctx: RouteContext) -> RoutingPolicy:

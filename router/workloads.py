@@ -39,7 +39,8 @@ class Profiles:
 
 def view(profile: WorkloadProfile) -> ProfileView:
     return ProfileView(mode=profile.mode, min_remote_prefill_tokens=profile.min_remote_prefill_tokens,
-                       max_prefill_queue=profile.max_prefill_queue)
+                       max_prefill_queue=profile.max_prefill_queue,
+                       max_local_prefill_tokens_while_decoding=profile.max_local_prefill_tokens_while_decoding)
 
 
 def client_mode(profile: WorkloadProfile, header: str | None) -> str | None:

@@ -246,6 +246,29 @@ def test_planner_fallbacks_and_offload():
     assert full.decision.reason == "decode-busy"
 
 
+def test_planner_busy_prefill_spills_only_to_a_quiet_decode_replica():
+    """The decode-busy guard gets the decode replica's requests from its heartbeat and from
+    what this router has in flight there (a remote prefill in progress counts: its stream
+    is about to start)."""
+    view = ClusterView(block_size=16, max_num_seqs=8)
+    busy_prefill = replica("p1", "prefill", num_running=1, num_waiting=1)  # queue 2 = max_prefill_queue
+    view.update([replica("d1", "decode"), busy_prefill])
+    long_prompt = list(range(100))  # 100 uncached tokens > AUTO's 32; AUTO's guard allows 512
+    guarded = ProfileView("auto", min_remote_prefill_tokens=32, max_prefill_queue=2,
+                          max_local_prefill_tokens_while_decoding=64)
+    idle = view.plan(long_prompt, 8, guarded, None)
+    assert (idle.decision.route, idle.decision.reason) == ("local", "prefill-busy")
+    view.update([replica("d1", "decode", num_running=1), busy_prefill])
+    streaming = view.plan(long_prompt, 8, guarded, None)
+    assert (streaming.decision.route, streaming.decision.reason) == ("disagg", "long-prompt")
+    assert view.plan(long_prompt, 8, AUTO, None).decision.reason == "prefill-busy"  # small enough
+    view.update([replica("d1", "decode"), busy_prefill])  # the heartbeat says idle, but...
+    view.begin(streaming)  # ...this router has a request in flight there
+    assert view.plan([7] * 100, 8, guarded, None).decision.route == "disagg"
+    view.end(streaming)
+    assert view.plan([7] * 100, 8, guarded, None).decision.reason == "prefill-busy"
+
+
 # ---- admin -------------------------------------------------------------------------
 
 
