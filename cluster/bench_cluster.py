@@ -12,6 +12,8 @@ Three workloads (`cluster.bench_workloads`: rates and SLOs sized to this machine
 every configuration, repeated, interleaved (configuration order rotated each repeat),
 each run with fresh prompt bytes; results are medians over repeats. Then the router's
 own TTFT cost is measured against calling the decode deployment through a Serve handle.
+`--workloads` re-runs a subset (ratios only for what ran); `--overhead-samples 0` skips
+the router-overhead part.
 Progress goes to stderr, the JSON object alone to stdout.
 """
 
@@ -27,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import typer
+
+from cluster.bench_workloads import WORKLOAD_NAMES
 
 CONFIGS = ("colocated", "disagg", "auto")
 # config -> (app, x-pd-mode)
@@ -45,7 +49,8 @@ class BenchOptions:
     prompt_factor: float = 1.0
     rate_factor: float = 1.0
     num_requests: int | None = None  # each workload scaled to about this many requests
-    overhead_samples: int = 30
+    overhead_samples: int = 30  # 0: no router-overhead measurement
+    workloads: tuple[str, ...] | None = None  # a subset of the workload names; None: all
     out: Path = Path("runs/bench-cluster")
 
 
@@ -56,7 +61,10 @@ def bench_cluster_cmd(
     quick: bool = typer.Option(False, "--quick", help="Smoke-test size: tiny model, 1 repeat, short workloads."),
     preset: str = typer.Option("small", help="Embedded model preset (tiny, small)."),
     model_cache: str | None = typer.Option(None, help="Where the preset is made once (default ~/.cache/pdcluster)."),
-    overhead_samples: int = typer.Option(30, min=2, help="Requests per path for the router-overhead figure."),
+    overhead_samples: int = typer.Option(30, min=0, help="Requests per path for the router-overhead figure "
+                                                         "(0: skip it)."),
+    workloads: str | None = typer.Option(None, "--workloads", help="Comma-separated subset of the workloads "
+                                         f"({', '.join(WORKLOAD_NAMES)}); default all."),
     out: Path = typer.Option(Path("runs/bench-cluster"), "--out", help="Folder for every run's report."),
 ) -> None:
     """Colocated vs disaggregated vs auto on equal cores, three workloads, with ratios."""
@@ -69,6 +77,7 @@ def bench_cluster_cmd(
     opts.num_requests = num_requests
     console = Console(stderr=True, log_path=False)
     try:
+        opts.workloads = parse_workloads(workloads)
         with stdout_to_stderr():  # Ray prints its processes' log lines on stdout
             result = run_bench(opts, console.log)
     except (RuntimeError, ValueError) as e:
@@ -96,6 +105,18 @@ def stdout_to_stderr():
         os.close(saved)
 
 
+def parse_workloads(text: str | None) -> tuple[str, ...] | None:
+    """`--workloads a,b`: the named workloads in the benchmark's own order; None for all."""
+    if text is None:
+        return None
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in WORKLOAD_NAMES]
+    if unknown or not names:
+        raise ValueError(f"--workloads: unknown {', '.join(unknown) or '(empty)'}; "
+                         f"choose from {', '.join(WORKLOAD_NAMES)}")
+    return tuple(n for n in WORKLOAD_NAMES if n in names)
+
+
 def run_bench(opts: BenchOptions, log) -> dict:
     from cluster.bench_workloads import bench_workloads, measure_baseline
     from cluster.cluster_apps import app_args, ensure_preset, expected_pools
@@ -117,13 +138,16 @@ def run_bench(opts: BenchOptions, log) -> dict:
         warm_up(pd, ("local", "disagg"))
         baseline = measure_baseline(colocated)
         log(f"baseline (one request alone on one replica): {baseline}")
-        workloads = {k: _sized(w, opts) for k, w in bench_workloads(baseline).items()}
+        workloads = {k: _sized(w, opts) for k, w in bench_workloads(baseline).items()
+                     if opts.workloads is None or k in opts.workloads}
         for w in workloads.values():
             for line in w.describe():
                 log(line)
         runs = _run_all(opts, workloads, urls, log)
-        log("router overhead: HTTP through the router vs a Serve handle to the decode replica")
-        overhead = measure(urls["pd"], "pd", num_samples=opts.overhead_samples)
+        overhead = None
+        if opts.overhead_samples > 0:
+            log("router overhead: HTTP through the router vs a Serve handle to the decode replica")
+            overhead = measure(urls["pd"], "pd", num_samples=opts.overhead_samples)
     results = {name: {config: _medians(rs) for config, rs in by_config.items()} for name, by_config in runs.items()}
     ratios = _ratios(results, overhead)
     return {
@@ -131,7 +155,7 @@ def run_bench(opts: BenchOptions, log) -> dict:
         "results": results,
         "ratios": ratios,
         "targets": {k: {"target": f"{op} {v:g}", "value": ratios.get(k), "met": _met(ratios.get(k), op, v)}
-                    for k, (op, v) in TARGETS.items()},
+                    for k, (op, v) in TARGETS.items() if k in ratios},
         "router_overhead": overhead,
         "setup": _setup(opts, workloads, baseline),
         "machine": {"cores": os.cpu_count(), "loadavg_start": [round(x, 2) for x in load_start],
@@ -197,20 +221,27 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 4) if a is not None and b else None
 
 
-def _ratios(results: dict, overhead: dict) -> dict:
-    mixed, short = results["mixed"], results["short_low_load"]
-    ratios = {
-        "disagg_itl_p99_vs_colocated": _ratio(mixed["disagg"]["itl_p99_ms"], mixed["colocated"]["itl_p99_ms"]),
-        "disagg_short_itl_p99_vs_colocated": _ratio(mixed["disagg"].get("short_itl_p99_ms"),
-                                                    mixed["colocated"].get("short_itl_p99_ms")),
-        "auto_itl_p99_vs_colocated_mixed": _ratio(mixed["auto"]["itl_p99_ms"], mixed["colocated"]["itl_p99_ms"]),
-        "auto_ttft_p50_vs_colocated_short_low_load": _ratio(short["auto"]["ttft_p50_ms"],
-                                                            short["colocated"]["ttft_p50_ms"]),
-    }
+def _ratios(results: dict, overhead: dict | None) -> dict:
+    """Every ratio whose workloads ran (`--workloads` may leave some out)."""
+    ratios: dict = {}
+    if "mixed" in results:
+        mixed = results["mixed"]
+        ratios.update({
+            "disagg_itl_p99_vs_colocated": _ratio(mixed["disagg"]["itl_p99_ms"], mixed["colocated"]["itl_p99_ms"]),
+            "disagg_short_itl_p99_vs_colocated": _ratio(mixed["disagg"].get("short_itl_p99_ms"),
+                                                        mixed["colocated"].get("short_itl_p99_ms")),
+            "auto_itl_p99_vs_colocated_mixed": _ratio(mixed["auto"]["itl_p99_ms"],
+                                                      mixed["colocated"]["itl_p99_ms"]),
+        })
+    if "short_low_load" in results:
+        short = results["short_low_load"]
+        ratios["auto_ttft_p50_vs_colocated_short_low_load"] = _ratio(short["auto"]["ttft_p50_ms"],
+                                                                     short["colocated"]["ttft_p50_ms"])
     for name, by_config in results.items():
         best = max((by_config[c]["goodput_rps"] or 0.0) for c in ("colocated", "disagg"))
         ratios[f"auto_goodput_vs_best_{name}"] = _ratio(by_config["auto"]["goodput_rps"], best)
-    ratios["router_overhead_ttft_p50_ms"] = overhead["router_overhead_ttft_p50_ms"]
+    if overhead is not None:
+        ratios["router_overhead_ttft_p50_ms"] = overhead["router_overhead_ttft_p50_ms"]
     return ratios
 
 
@@ -226,6 +257,7 @@ def _setup(opts: BenchOptions, workloads: dict, baseline) -> dict:
 
     return {
         "preset": opts.preset, "repeats": opts.repeats, "torch_threads_per_replica": 1,
+        "workloads_run": list(workloads), "overhead_samples": opts.overhead_samples,
         "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
         "configs": {"colocated": "2 decode replicas, every request local",
                     "disagg": "1 prefill + 1 decode, x-pd-mode: disagg (every request remote)",

@@ -35,6 +35,7 @@ SLO_SCALE = 5.0  # an SLO is this many times the unloaded single-request latency
 SHORT_PROMPT = (64, 128)
 LONG_PROMPT = (1024, 2048)
 LONG_LOAD = 0.55  # long_high_load: offered prefill work over two replicas' prefill capacity
+WORKLOAD_NAMES = ("short_low_load", "long_high_load", "mixed")  # what `bench_workloads` returns, in order
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,10 @@ import json
 import subprocess
 import sys
 
-from cluster.bench_workloads import Baseline, bench_workloads
+import pytest
+
+from cluster.bench_cluster import _ratios, parse_workloads
+from cluster.bench_workloads import WORKLOAD_NAMES, Baseline, bench_workloads
 from cluster.cluster_workloads import INTERFERENCE, request_class
 
 WORKLOADS = ("short_low_load", "long_high_load", "mixed")
@@ -45,6 +48,25 @@ def test_bench_workloads_follow_the_baseline():
     assert mixed.slo_of("long").ttft_ms == 5000 and mixed.classes[1].num_requests == 4
     stream_s = (50 + 31 * 20) / 1000  # a 32-token stream alone
     assert abs(mixed.classes[1].interval_s - 40 * stream_s / 2 / 4) < 1e-9
+
+
+def test_workloads_option_picks_a_subset_in_bench_order():
+    assert WORKLOAD_NAMES == WORKLOADS == tuple(bench_workloads(Baseline(50, 1000, 20)))
+    assert parse_workloads(None) is None
+    assert parse_workloads("long_high_load") == ("long_high_load",)
+    assert parse_workloads(" mixed,short_low_load ") == ("short_low_load", "mixed")
+    for bad in ("", "long", "mixed,nope"):
+        with pytest.raises(ValueError, match="--workloads"):
+            parse_workloads(bad)
+
+
+def test_ratios_only_for_the_workloads_that_ran():
+    def cfg(goodput):
+        return {"goodput_rps": goodput, "itl_p99_ms": 100.0, "ttft_p50_ms": 1000.0}
+    results = {"long_high_load": {"colocated": cfg(0.3), "disagg": cfg(0.5), "auto": cfg(0.49)}}
+    assert _ratios(results, None) == {"auto_goodput_vs_best_long_high_load": 0.98}
+    ratios = _ratios(results, {"router_overhead_ttft_p50_ms": 4.0})
+    assert ratios["router_overhead_ttft_p50_ms"] == 4.0
 
 
 def test_bench_cluster_quick_prints_json(tmp_path):
