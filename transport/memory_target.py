@@ -10,6 +10,7 @@ import threading
 
 import torch
 
+from workers.engine.kv_cache import copy_into_blocks
 from workers.engine.kv_types import KVLayout, KVReservation
 
 
@@ -61,8 +62,7 @@ class MemoryTarget:
         if tuple(kv.shape) != expected:
             raise ValueError(f"shape {tuple(kv.shape)} != {expected}")
         if self.allocate:
-            index = torch.tensor(res.block_ids[res.num_cached_blocks:], dtype=torch.long)
-            self.layers[layer_idx].index_copy_(1, index, kv)
+            copy_into_blocks(self.layers[layer_idx], res.block_ids[res.num_cached_blocks:], kv)
         res.layers_written.add(layer_idx)
         with self._lock:
             self.write_log.append((res.transfer_id, layer_idx))

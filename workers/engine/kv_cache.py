@@ -7,6 +7,7 @@ and a transfer of N blocks is one index along dim 1.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 
@@ -98,6 +99,38 @@ class KVCache:
         expected = self.layout.layer_shape(len(block_ids))
         if tuple(kv.shape) != expected:
             raise ValueError(f"layer {layer_idx}: KV shape {tuple(kv.shape)} != expected {expected}")
-        layer = self.layers[layer_idx]
+        copy_into_blocks(self.layers[layer_idx], block_ids, kv)
+
+
+def block_runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
+    """`(first destination block, first source block, length)` of each run of consecutive
+    ids: a freshly reserved range is usually one run, so a layer lands in one or two slabs."""
+    runs: list[tuple[int, int, int]] = []
+    for src, dst in enumerate(block_ids):
+        if runs and runs[-1][0] + runs[-1][2] == dst:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((dst, src, 1))
+    return runs
+
+
+def copy_into_blocks(layer: torch.Tensor, block_ids: list[int], kv: torch.Tensor) -> None:
+    """`layer[:, block_ids] = kv`. On CPU, one memmove per (K or V, run of consecutive
+    blocks) on the calling thread: ~3x faster than `index_copy_` for a multi-MiB layer, and
+    free of torch's intra-op pool (whose barrier stalls when a core is busy elsewhere)."""
+    if kv.shape[0] != 2 or kv.shape[1] != len(block_ids) or kv.shape[2:] != layer.shape[2:]:
+        raise ValueError(f"KV shape {tuple(kv.shape)} does not fit {len(block_ids)} blocks "
+                         f"of {tuple(layer.shape[2:])}")
+    if block_ids and not 0 <= min(block_ids) <= max(block_ids) < layer.shape[1]:
+        raise ValueError(f"block ids outside [0, {layer.shape[1]})")  # a memmove must never overrun
+    kv = kv.to(device=layer.device, dtype=layer.dtype)
+    if layer.device.type != "cpu" or not (layer.is_contiguous() and kv.is_contiguous()):
         index = torch.tensor(block_ids, dtype=torch.long, device=layer.device)
-        layer.index_copy_(1, index, kv.to(device=layer.device, dtype=layer.dtype))
+        layer.index_copy_(1, index, kv)
+        return
+    row = layer[0, 0].numel() * layer.element_size()  # bytes of one block's K (or V)
+    layer_half, kv_half = layer[0].numel() * layer.element_size(), kv[0].numel() * kv.element_size()
+    for half in range(2):
+        for dst, src, n in block_runs(block_ids):
+            ctypes.memmove(layer.data_ptr() + half * layer_half + dst * row,
+                           kv.data_ptr() + half * kv_half + src * row, n * row)

@@ -1,0 +1,42 @@
+"""`copy_into_blocks` (the receive-side copy) must equal `index_copy_` for any block ids."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from workers.engine.kv_cache import block_runs, copy_into_blocks
+
+
+@given(st.lists(st.integers(0, 40), unique=True, max_size=24))
+def test_block_runs_cover_every_id_once_in_order(block_ids):
+    expanded = [(dst + i, src + i) for dst, src, n in block_runs(block_ids) for i in range(n)]
+    assert expanded == [(b, i) for i, b in enumerate(block_ids)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 31), unique=True, min_size=1, max_size=20),
+       st.sampled_from([torch.float32, torch.bfloat16]))
+def test_copy_into_blocks_matches_index_copy(block_ids, dtype):
+    layer = torch.randn(2, 32, 4, 2, 8).to(dtype)
+    expected = layer.clone()
+    kv = torch.randn(2, len(block_ids), 4, 2, 8).to(dtype)
+    expected.index_copy_(1, torch.tensor(block_ids), kv)
+    copy_into_blocks(layer, block_ids, kv)
+    assert torch.equal(layer.view(torch.uint8) if dtype == torch.bfloat16 else layer,
+                       expected.view(torch.uint8) if dtype == torch.bfloat16 else expected)
+
+
+@pytest.mark.parametrize("block_ids, shape", [
+    ([0, 32], (2, 2, 4, 2, 8)),   # id past the pool
+    ([-1], (2, 1, 4, 2, 8)),      # negative id
+    ([0, 1], (2, 3, 4, 2, 8)),    # more source blocks than ids
+    ([0], (2, 1, 4, 2, 4)),       # wrong block geometry
+])
+def test_copy_into_blocks_refuses_what_would_overrun(block_ids, shape):
+    layer = torch.zeros(2, 32, 4, 2, 8)
+    with pytest.raises(ValueError):
+        copy_into_blocks(layer, block_ids, torch.ones(shape))
+    assert not layer.any()
