@@ -48,6 +48,7 @@ class _Slot:
     size: int
     data: torch.Tensor  # uint8 view of the whole shared file
     transfer_id: str = ""  # in flight for this transfer; "" = free
+    freed_at: int = 0  # release tick: the latest-freed slot is the likeliest still in cache
 
 
 class ShmSendPath(SendPath):
@@ -56,6 +57,7 @@ class ShmSendPath(SendPath):
     def __init__(self, pool_bytes: int) -> None:
         self.pool_bytes = pool_bytes
         self._slots: dict[str, _Slot] = {}
+        self._ticks = 0
         self._inline = InlineSendPath()
 
     def payload(self, header: Header, kv: torch.Tensor) -> list:
@@ -71,8 +73,8 @@ class ShmSendPath(SendPath):
 
     def _acquire(self, nbytes: int) -> _Slot | None:
         free = [s for s in self._slots.values() if not s.transfer_id and s.size >= nbytes]
-        if free:
-            return min(free, key=lambda s: s.size)
+        if free:  # the smallest that fits, the most recently freed among those
+            return min(free, key=lambda s: (s.size, -s.freed_at))
         used = sum(s.size for s in self._slots.values())
         if used + nbytes > self.pool_bytes:
             return None
@@ -91,12 +93,16 @@ class ShmSendPath(SendPath):
     def on_release(self, header: Header) -> None:
         slot = self._slots.get(str(header.extra.get("file", "")))
         if slot is not None and slot.transfer_id == header.transfer_id:
-            slot.transfer_id = ""
+            self._free(slot)
 
     def on_transfer_end(self, transfer_id: str) -> None:
         for slot in self._slots.values():
             if slot.transfer_id == transfer_id:
-                slot.transfer_id = ""
+                self._free(slot)
+
+    def _free(self, slot: _Slot) -> None:
+        self._ticks += 1
+        slot.transfer_id, slot.freed_at = "", self._ticks
 
     def close(self) -> None:
         for slot in self._slots.values():
