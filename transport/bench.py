@@ -7,7 +7,9 @@ transfer each per round, so a shared machine's changing load weighs on all of th
 8 layers, like a real prompt. Baselines: a raw TCP socket carrying the same bytes into a
 preallocated buffer (the loopback limit), Ray's object store (`ray.put` in one actor,
 `ray.get` plus one copy into a destination in another, timed inside the actors so the
-actor-call overhead is excluded), and a single in-process memcpy.
+actor-call overhead is excluded) across two raylets (`ray_object_store`: the bytes cross
+TCP, as zmq's do) and within one (`ray_object_store_same_node`: shared memory, as shm's
+do), and a single in-process memcpy.
 """
 
 from __future__ import annotations
@@ -199,14 +201,43 @@ def memcpy_timer(nbytes: int) -> Iterator[float]:
             yield time.perf_counter() - t0
 
 
-def time_ray(sizes: list[int], repeats: int) -> dict[int, list[float]]:
+def time_ray(sizes: list[int], repeats: int, cross_node: bool) -> dict[int, list[float]]:
+    """`ray.put` in one actor, `ray.get` + one copy into a warm destination in another.
+
+    Same node, Ray's object store is shared memory (the peer of our `shm` path); across
+    nodes the object manager pulls the object over TCP (the peer of `zmq`). `cross_node`
+    runs two raylets on this machine (`ray.cluster_utils.Cluster`, as the multi-node
+    tests do) with the actors on different ones, so the bytes cross loopback TCP."""
+    import ray
+
+    cluster = None
+    store = max(sizes) * 4 + (256 << 20)
+    if cross_node:
+        from ray.cluster_utils import Cluster
+
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 1, "resources": {"bench_put": 1}, "object_store_memory": store})
+        cluster.add_node(num_cpus=1, resources={"bench_get": 1}, object_store_memory=store)
+        ray.init(address=cluster.address, log_to_driver=False)
+    else:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 object_store_memory=store)
+    try:
+        return _ray_rounds(sizes, repeats, cross_node)
+    finally:
+        ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+
+
+def _ray_rounds(sizes: list[int], repeats: int, cross_node: bool) -> dict[int, list[float]]:
     import numpy as np
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             object_store_memory=max(sizes) * 4 + (256 << 20))
+    put_on = {"resources": {"bench_put": 0.1}} if cross_node else {}
+    get_on = {"resources": {"bench_get": 0.1}} if cross_node else {}
 
-    @ray.remote(num_cpus=0)
+    @ray.remote(num_cpus=0, **put_on)
     class Putter:
         def put(self, nbytes: int):
             data = np.random.randint(0, 255, nbytes, dtype=np.uint8)
@@ -214,7 +245,7 @@ def time_ray(sizes: list[int], repeats: int) -> dict[int, list[float]]:
             ref = ray.put(data)
             return [ref], time.perf_counter() - t0
 
-    @ray.remote(num_cpus=0)
+    @ray.remote(num_cpus=0, **get_on)
     class Getter:
         def __init__(self) -> None:
             self._dst: dict[int, np.ndarray] = {}  # warm, like a receiver's KV blocks
@@ -226,21 +257,18 @@ def time_ray(sizes: list[int], repeats: int) -> dict[int, list[float]]:
             np.copyto(dst, data)  # into the destination, as a receiver writes KV blocks
             return time.perf_counter() - t0
 
-    try:
-        putter, getter = Putter.remote(), Getter.remote()
-        out = {}
-        for nbytes in sizes:
-            times = []
-            for i in range(repeats + RAY_WARMUP):
-                refs, t_put = ray.get(putter.put.remote(nbytes))
-                t_get = ray.get(getter.get.remote(refs))
-                del refs
-                if i >= RAY_WARMUP:
-                    times.append(t_put + t_get)
-            out[nbytes] = times
-        return out
-    finally:
-        ray.shutdown()
+    putter, getter = Putter.remote(), Getter.remote()
+    out = {}
+    for nbytes in sizes:
+        times = []
+        for i in range(repeats + RAY_WARMUP):
+            refs, t_put = ray.get(putter.put.remote(nbytes))
+            t_get = ray.get(getter.get.remote(refs))
+            del refs
+            if i >= RAY_WARMUP:
+                times.append(t_put + t_get)
+        out[nbytes] = times
+    return out
 
 
 # -- the whole run -----------------------------------------------------------------------------
@@ -275,9 +303,10 @@ def run(sizes_mib: list[int], repeats: int, with_ray: bool = True, with_curve: b
     finally:
         rx.close()
     if with_ray:
-        log("ray object store")
-        for nbytes, times in time_ray([m * MIB for m in sizes_mib], repeats).items():
-            add("ray_object_store", nbytes, times)
+        for name, cross_node in (("ray_object_store", True), ("ray_object_store_same_node", False)):
+            log(f"{name} ({'two raylets, over TCP' if cross_node else 'one raylet, shared memory'})")
+            for nbytes, times in time_ray([m * MIB for m in sizes_mib], repeats, cross_node).items():
+                add(name, nbytes, times)
     out = {"results": results, "ratios": _ratios(results, sizes_mib)}
     if with_overlap:
         out["overlap"] = measure_overlap()
@@ -291,9 +320,13 @@ def _ratios(results: list[dict], sizes_mib: list[int]) -> dict[str, float]:
     def ratio(a: str, b: str) -> float | None:
         return round(speed[a] / speed[b], 3) if a in speed and speed.get(b) else None
 
+    # zmq is the cross-node transport, so its Ray peer is Ray's cross-node pull; the
+    # same-node object store is shared memory, the peer of `shm` (both are reported).
     return {f"zmq_vs_raw_tcp_{mib}MiB": ratio("zmq", "raw_tcp"),
             f"zmq_vs_ray_object_store_{mib}MiB": ratio("zmq", "ray_object_store"),
             f"shm_vs_memcpy_{mib}MiB": ratio("shm", "memcpy"),
+            f"zmq_vs_ray_object_store_same_node_{mib}MiB": ratio("zmq", "ray_object_store_same_node"),
+            f"shm_vs_ray_object_store_same_node_{mib}MiB": ratio("shm", "ray_object_store_same_node"),
             f"zmq_curve_vs_zmq_{mib}MiB": ratio("zmq_curve", "zmq")}
 
 
