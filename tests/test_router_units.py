@@ -18,7 +18,7 @@ from router.ingress import _parse
 from router.planner import ClusterView
 from router.policy import ProfileView
 from router.prefix_index import PrefixIndex
-from router.workloads import Profiles, client_mode
+from router.workloads import Profiles, client_mode, view
 from workers.engine.prefix_hash import block_hashes
 
 # ---- request validation ------------------------------------------------------------
@@ -267,6 +267,16 @@ def test_planner_busy_prefill_spills_only_to_a_quiet_decode_replica():
     assert view.plan([7] * 100, 8, guarded, None).decision.route == "disagg"
     view.end(streaming)
     assert view.plan([7] * 100, 8, guarded, None).decision.reason == "prefill-busy"
+
+
+def test_decode_busy_guard_threshold_is_a_profile_field():
+    full = {"mode": "auto", "min_remote_prefill_tokens": 256, "max_prefill_queue": 4,
+            "allow_client_override": True}
+    assert view(parse_profile("x", full)).max_local_prefill_tokens_while_decoding == 512  # optional
+    profile = parse_profile("x", {**full, "max_local_prefill_tokens_while_decoding": 0})
+    assert view(profile).max_local_prefill_tokens_while_decoding == 0
+    with pytest.raises(APIError):
+        parse_profile("x", {**full, "max_local_prefill_tokens_while_decoding": -1})
 
 
 # ---- admin -------------------------------------------------------------------------
