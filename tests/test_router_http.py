@@ -204,7 +204,8 @@ def test_admin_auth_and_toggle_reaches_every_router_within_2s(client):
     time.sleep(max(0.0, 2.0 - (time.monotonic() - changed_at)))
     reasons = {(complete(client, "hi", headers={"x-workload": "rag"}).headers["x-pd-route"]) for _ in range(8)}
     assert reasons == {"local"}  # both router replicas apply it
-    assert client.get("/admin/workloads", headers=auth).json()["workloads"]["rag"] == {**profile, "deadline_s": None}
+    defaults = {"deadline_s": None, "max_local_prefill_tokens_while_decoding": 512}  # the optional fields
+    assert client.get("/admin/workloads", headers=auth).json()["workloads"]["rag"] == {**profile, **defaults}
 
 
 def test_metrics_show_every_name_after_traffic(client):
