@@ -21,8 +21,12 @@ def _prompt(rng: random.Random, prompt_len: int) -> list[int]:
 
 
 def http_ttft_s(http: httpx.Client, url: str, prompt: list[int], max_tokens: int) -> float:
+    # `return_token_ids`: every token gets an event, so this times the first token, as the
+    # handle path does. Without it a first token that is an incomplete UTF-8 sequence (the
+    # byte-level test model samples one about half the time) has no text and no event, and
+    # the client would wait one more decode step for the first text.
     body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0,
-            "ignore_eos": True}
+            "ignore_eos": True, "return_token_ids": True}
     start = time.perf_counter()
     ttft = None
     with http.stream("POST", f"{url}/v1/completions", json=body, headers={"x-pd-mode": "local"}) as resp:
@@ -57,11 +61,11 @@ def handle_ttft_s(handle, prompt: list[int], max_tokens: int) -> float:
 
 
 def measure(url: str, app_name: str, num_samples: int = 30, prompt_len: int = 64, max_tokens: int = 2,
-            num_warmup: int = 3, seed: int = 0) -> dict:
+            num_warmup: int = 3, seed: int = 0, deployment: str = "DecodeWorker") -> dict:
     """p50/p90 TTFT of both paths and `router_overhead_ttft_p50_ms` (their p50 difference)."""
     from ray import serve
 
-    handle = serve.get_deployment_handle("DecodeWorker", app_name=app_name)
+    handle = serve.get_deployment_handle(deployment, app_name=app_name)
     rng = random.Random(seed)
     via_router, direct = [], []
     with httpx.Client(timeout=60) as http:
