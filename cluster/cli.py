@@ -34,7 +34,7 @@ def make_model_cmd(
 
 # Modules that each define `register(app, bench_app)` for their own commands.
 COMMAND_MODULES: tuple[str, ...] = ("cluster.loadtest.cli", "cluster.bench_engine_cli", "cluster.serve_cli",
-                                     "transport.bench_cli", "cluster.demo")
+                                     "transport.bench_cli", "cluster.demo", "cluster.bench_router_overhead")
 
 
 def _register_commands() -> None:
