@@ -11,6 +11,7 @@ One JSON object on stdout, progress on stderr.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 
 import typer
@@ -26,13 +27,18 @@ def bench_router_overhead_cmd(
     preset: str = typer.Option("small", help="Embedded model preset (tiny, small)."),
     model_cache: str | None = typer.Option(None, help="Where the preset is made once."),
     echo: bool = typer.Option(False, "--echo", help="Also measure a trivial echo deployment's HTTP hop."),
+    serve_env: list[str] = typer.Option([], "--serve-env", help="KEY=VALUE for Ray's processes only (not "
+                                        "this one), e.g. RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0."),
 ) -> None:
     """The router's TTFT overhead over calling the decode replica directly (issue #5, ≤ 5 ms)."""
+    import ray.serve  # noqa: F401 - this process reads Serve's settings now, before the env changes
     from rich.console import Console
 
     from cluster.bench_cluster import stdout_to_stderr
 
     console = Console(stderr=True, log_path=False)
+    # Ray's processes inherit this environment when Ray starts; this one keeps what it read.
+    os.environ.update(dict(kv.split("=", 1) for kv in serve_env))
     with stdout_to_stderr():
         result = run(samples, repeats, preset, model_cache, echo, console.log)
     typer.echo(json.dumps(result))
@@ -54,7 +60,8 @@ def run(samples: int, repeats: int, preset: str, model_cache: str | None, echo: 
             if echo_url:
                 echo_runs.append(measure(echo_url, "echo", num_samples=samples, deployment="Echo"))
                 log(f"echo {i}: {echo_runs[-1]}")
-    return {"medians": _medians(runs), "runs": runs,
+    return {"serve_env": {k: v for k, v in os.environ.items() if k.startswith("RAY_SERVE_")},
+            "medians": _medians(runs), "runs": runs,
             **({"echo_medians": _medians(echo_runs), "echo_runs": echo_runs} if echo else {})}
 
 
