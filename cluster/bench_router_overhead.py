@@ -66,8 +66,9 @@ def run(samples: int, repeats: int, preset: str, model_cache: str | None, echo: 
 
 
 def _medians(runs: list[dict]) -> dict:
-    keys = [k for k, v in runs[0].items() if isinstance(v, float)]
-    return {k: round(statistics.median(r[k] for r in runs if r[k] is not None), 3) for k in keys}
+    """Per figure, the median over the runs that have it (`router_side_ttft_mean_ms` may be None)."""
+    keys = dict.fromkeys(k for r in runs for k, v in r.items() if isinstance(v, float))
+    return {k: round(statistics.median(r[k] for r in runs if isinstance(r.get(k), float)), 3) for k in keys}
 
 
 def _deploy_echo(cluster) -> str:

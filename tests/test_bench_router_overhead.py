@@ -1,0 +1,41 @@
+"""`pdcluster bench router-overhead` without Ray: the command is registered, its
+medians, and the HTTP request it times asks for an event per token."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+from typer.testing import CliRunner
+
+from cluster.bench_router_overhead import _medians
+from cluster.cli import app
+from cluster.router_overhead import http_ttft_s
+
+
+def test_command_is_registered():
+    result = CliRunner().invoke(app, ["bench", "router-overhead", "--help"])
+    assert result.exit_code == 0
+    assert "--echo" in result.output and "--serve-env" in result.output
+
+
+def test_medians_skip_missing_figures():
+    runs = [{"num_samples": 30, "router_ttft_p50_ms": 80.0, "router_side_ttft_mean_ms": None},
+            {"num_samples": 30, "router_ttft_p50_ms": 90.0, "router_side_ttft_mean_ms": 70.0},
+            {"num_samples": 30, "router_ttft_p50_ms": 70.0, "router_side_ttft_mean_ms": 72.0}]
+    assert _medians(runs) == {"router_ttft_p50_ms": 80.0, "router_side_ttft_mean_ms": 71.0}
+
+
+def test_http_path_times_the_first_token_event():
+    """A first chunk without text (an incomplete UTF-8 byte) still carries its token id."""
+    seen = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen["body"] = request.read()
+        events = ('data: {"choices":[{"text":"","token_ids":[195]}]}\n\n'
+                  'data: {"choices":[{"text":"\u00e9","token_ids":[169]}]}\n\ndata: [DONE]\n\n')
+        return httpx.Response(200, text=events, headers={"content-type": "text/event-stream"})
+
+    with httpx.Client(transport=httpx.MockTransport(handler)) as http:
+        assert http_ttft_s(http, "http://router", [65] * 4, 2) > 0
+    assert json.loads(seen["body"])["return_token_ids"] is True
