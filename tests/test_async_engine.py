@@ -186,3 +186,26 @@ def test_dead_engine_fails_streams_and_health(tiny_model_dir):
             await ae.stats()
 
     asyncio.run(main())
+
+
+def test_layer_write_does_not_wait_for_the_engine_thread(aengine):
+    """A receiver's layer write lands while the engine thread is busy (a long step): it
+    must not queue behind the step, or a busy decode replica takes a step per layer."""
+    import torch
+
+    async def main():
+        res = await aengine.reserve_kv("t-busy", PROMPTS[0])
+        release = threading.Event()
+        busy = aengine.submit(release.wait, 10)  # the engine thread is occupied
+        kv = torch.ones(res.layout.layer_shape(res.num_blocks_to_receive))
+        try:
+            await asyncio.wait_for(asyncio.to_thread(aengine.write_kv_layer, res, 0, kv), 5)
+            assert 0 in res.layers_written and not busy.done()
+        finally:
+            release.set()
+        aengine.cancel_kv(res)
+        assert aengine.num_open_reservations == 0
+        await wait_until(lambda: _no_requests(aengine))
+        await aengine.check_integrity()
+
+    asyncio.run(main())

@@ -1,10 +1,11 @@
 """An asyncio front for the synchronous `LLMEngine`.
 
 One thread owns the engine: it runs every engine call (add, abort, reserve/commit/cancel
-KV, layer writes from the transport) between steps, and steps while there is work. So
-the engine is never touched by two threads, the event loop never blocks on a step, and a
-KV layer write can never land in blocks that a cancel already freed (both run on the
-same thread, in order).
+KV) between steps, and steps while there is work, so the event loop never blocks on a
+step. The one exception is a KV layer write from the transport: it copies into reserved
+blocks on the transport's thread at once (a layer must not wait for the step in
+progress), under a lock that closing the reservation also takes, so a write never lands
+in blocks a cancel already freed.
 
 Outputs go back to each request's asyncio queue with `loop.call_soon_threadsafe`; the
 request's async generator merges whatever queued up into one `GenerateChunk` (the engine
@@ -57,6 +58,7 @@ class AsyncEngine:
         self._calls: deque[tuple[Callable, tuple, concurrent.futures.Future]] = deque()
         self._streams: dict[str, _Stream] = {}
         self._open_transfer_ids: set[str] = set()  # reservations neither committed nor cancelled
+        self._kv_lock = threading.Lock()  # a layer write vs. closing its reservation
         self._wake = threading.Event()
         self._stopping = False
         self.error: BaseException | None = None
@@ -113,13 +115,25 @@ class AsyncEngine:
         return await self.call(self._reserve, transfer_id, prompt_token_ids)
 
     def write_kv_layer(self, reservation: KVReservation, layer_idx: int, kv) -> None:
-        """For transport threads: returns once the layer is written, or dropped because the
-        reservation is closed already (its blocks may belong to another request now)."""
-        self.submit(self._write_layer, reservation, layer_idx, kv).result()
+        """For transport threads: copies on the calling thread and returns once the layer
+        is written, or dropped because the reservation is closed already (its blocks may
+        belong to another request now).
+
+        Not on the engine thread: there a layer waited for the step in progress, so a
+        busy decode replica took one step per layer to receive a prompt (and the
+        receiver's socket thread, blocked meanwhile, served no other transfer). The
+        copy touches only reserved blocks, which no running sequence reads or writes;
+        `_kv_lock` makes it exclusive with closing that reservation."""
+        with self._kv_lock:
+            if reservation.transfer_id in self._open_transfer_ids:
+                self.engine.write_kv_layer(reservation, layer_idx, kv)
 
     def cancel_kv(self, reservation: KVReservation) -> None:
-        """Free a reservation; never blocks, safe from any thread, idempotent."""
-        self.submit(self._cancel, reservation)
+        """Free a reservation; safe from any thread, idempotent. It is closed to layer
+        writes at once (waiting at most for a copy in progress); its blocks are freed on
+        the engine thread before the next step."""
+        if self._close(reservation):
+            self.submit(self.engine.cancel_kv, reservation)
 
     @property
     def num_open_reservations(self) -> int:
@@ -128,22 +142,23 @@ class AsyncEngine:
     def _reserve(self, transfer_id: str, prompt_token_ids: list[int]) -> KVReservation | None:
         res = self.engine.reserve_kv(transfer_id, prompt_token_ids)
         if res is not None:
-            self._open_transfer_ids.add(transfer_id)
+            with self._kv_lock:
+                self._open_transfer_ids.add(transfer_id)
         return res
 
-    def _write_layer(self, res: KVReservation, layer_idx: int, kv) -> None:
-        if res.transfer_id in self._open_transfer_ids:
-            self.engine.write_kv_layer(res, layer_idx, kv)
-
-    def _cancel(self, res: KVReservation) -> None:
-        if res.transfer_id in self._open_transfer_ids:
+    def _close(self, res: KVReservation) -> bool:
+        """Close a reservation to writers; False if it was closed already. Waits for a
+        layer copy in progress, so no write lands after this returns."""
+        with self._kv_lock:
+            if res.transfer_id not in self._open_transfer_ids:
+                return False
             self._open_transfer_ids.discard(res.transfer_id)
-            self.engine.cancel_kv(res)
+            return True
 
     def _commit(self, res: KVReservation, request_id: str, params: SamplingParams,
                 first_token_id: int, seed: int) -> None:
-        assert res.transfer_id in self._open_transfer_ids, "reservation already closed"
-        self._open_transfer_ids.discard(res.transfer_id)
+        if not self._close(res):
+            raise RuntimeError(f"reservation {res.transfer_id!r} already closed")
         try:
             self.engine.commit_kv(res, request_id, params, first_token_id, seed=seed)
         except BaseException:
