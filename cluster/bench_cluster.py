@@ -51,6 +51,7 @@ class BenchOptions:
     num_requests: int | None = None  # each workload scaled to about this many requests
     overhead_samples: int = 30  # 0: no router-overhead measurement
     workloads: tuple[str, ...] | None = None  # a subset of the workload names; None: all
+    direct_ingress: bool = True  # Serve's direct ingress on (the proxy still runs)
     out: Path = Path("runs/bench-cluster")
 
 
@@ -66,11 +67,15 @@ def bench_cluster_cmd(
     workloads: str | None = typer.Option(None, "--workloads", help="Comma-separated subset of the workloads "
                                          f"({', '.join(WORKLOAD_NAMES)}); default all."),
     out: Path = typer.Option(Path("runs/bench-cluster"), "--out", help="Folder for every run's report."),
+    direct_ingress: bool = typer.Option(True, help="Turn on Serve's direct ingress (router replicas answer "
+                                        "HTTP themselves) and time the router overhead there as well as "
+                                        "through the proxy."),
 ) -> None:
     """Colocated vs disaggregated vs auto on equal cores, three workloads, with ratios."""
     from rich.console import Console
 
-    opts = BenchOptions(preset, model_cache, repeats, overhead_samples=overhead_samples, out=out)
+    opts = BenchOptions(preset, model_cache, repeats, overhead_samples=overhead_samples, out=out,
+                        direct_ingress=direct_ingress)
     if quick:  # the tiny model runs these ~10x faster than small: shorter and denser
         opts.preset, opts.repeats, opts.overhead_samples = "tiny", 1, min(overhead_samples, 6)
         opts.request_factor, opts.prompt_factor = 0.25, 0.5
@@ -118,6 +123,8 @@ def parse_workloads(text: str | None) -> tuple[str, ...] | None:
 
 
 def run_bench(opts: BenchOptions, log) -> dict:
+    import ray.serve  # noqa: F401 - this process reads Serve's settings before serve_env changes them
+
     from cluster.bench_workloads import bench_workloads, measure_baseline
     from cluster.cluster_apps import app_args, ensure_preset, expected_pools
     from cluster.local_cluster import LocalCluster
@@ -125,7 +132,8 @@ def run_bench(opts: BenchOptions, log) -> dict:
     from cluster.workload_runs import warm_up
 
     started, load_start = time.perf_counter(), os.getloadavg()
-    with LocalCluster(log=log) as cluster:
+    serve_env = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"} if opts.direct_ingress else {}
+    with LocalCluster(log=log, serve_env=serve_env) as cluster:
         ensure_preset(opts.preset, opts.model_cache, log)
         log("deploying colocated (2 decode replicas) and pd (1 prefill + 1 decode)")
         colocated, pd = cluster.deploy_many([
@@ -144,12 +152,18 @@ def run_bench(opts: BenchOptions, log) -> dict:
             for line in w.describe():
                 log(line)
         runs = _run_all(opts, workloads, urls, log)
-        overhead = None
+        overhead = proxied = None
         if opts.overhead_samples > 0:
             log("router overhead: HTTP through the router vs a Serve handle to the decode replica")
-            overhead = measure(urls["pd"], "pd", num_samples=opts.overhead_samples)
+            overhead = proxied = measure(urls["pd"], "pd", num_samples=opts.overhead_samples)
+            direct = cluster.direct_url("pd", "/pd") if opts.direct_ingress else None
+            if direct:
+                log(f"router overhead again, straight to the router replica (direct ingress, {direct})")
+                overhead = {**measure(direct, "pd", num_samples=opts.overhead_samples), "url": direct}
     results = {name: {config: _medians(rs) for config, rs in by_config.items()} for name, by_config in runs.items()}
     ratios = _ratios(results, overhead)
+    if proxied is not None and proxied is not overhead:
+        ratios["router_overhead_via_proxy_ttft_p50_ms"] = proxied["router_overhead_ttft_p50_ms"]
     return {
         "bench": "cluster",
         "results": results,
@@ -157,6 +171,7 @@ def run_bench(opts: BenchOptions, log) -> dict:
         "targets": {k: {"target": f"{op} {v:g}", "value": ratios.get(k), "met": _met(ratios.get(k), op, v)}
                     for k, (op, v) in TARGETS.items() if k in ratios},
         "router_overhead": overhead,
+        "router_overhead_via_proxy": proxied,
         "setup": _setup(opts, workloads, baseline),
         "machine": {"cores": os.cpu_count(), "loadavg_start": [round(x, 2) for x in load_start],
                     "loadavg_end": [round(x, 2) for x in os.getloadavg()]},

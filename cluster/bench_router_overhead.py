@@ -29,6 +29,8 @@ def bench_router_overhead_cmd(
     echo: bool = typer.Option(False, "--echo", help="Also measure a trivial echo deployment's HTTP hop."),
     serve_env: list[str] = typer.Option([], "--serve-env", help="KEY=VALUE for Ray's processes only (not "
                                         "this one), e.g. RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0."),
+    direct_ingress: bool = typer.Option(False, "--direct-ingress", help="Serve's direct ingress: the client "
+                                        "talks to the router replica itself, not through the HTTP proxy."),
 ) -> None:
     """The router's TTFT overhead over calling the decode replica directly (issue #5, ≤ 5 ms)."""
     import ray.serve  # noqa: F401 - this process reads Serve's settings now, before the env changes
@@ -39,12 +41,15 @@ def bench_router_overhead_cmd(
     console = Console(stderr=True, log_path=False)
     # Ray's processes inherit this environment when Ray starts; this one keeps what it read.
     os.environ.update(dict(kv.split("=", 1) for kv in serve_env))
+    if direct_ingress:
+        os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"
     with stdout_to_stderr():
-        result = run(samples, repeats, preset, model_cache, echo, console.log)
+        result = run(samples, repeats, preset, model_cache, echo, console.log, direct_ingress)
     typer.echo(json.dumps(result))
 
 
-def run(samples: int, repeats: int, preset: str, model_cache: str | None, echo: bool, log) -> dict:
+def run(samples: int, repeats: int, preset: str, model_cache: str | None, echo: bool, log,
+        direct_ingress: bool = False) -> dict:
     from cluster.cluster_apps import app_args, ensure_preset, expected_pools
     from cluster.local_cluster import LocalCluster
     from cluster.router_overhead import measure
@@ -52,7 +57,12 @@ def run(samples: int, repeats: int, preset: str, model_cache: str | None, echo: 
     with LocalCluster(log=log) as cluster:
         ensure_preset(preset, model_cache, log)
         url = cluster.deploy("pd", app_args(preset, model_cache, 1, 1, "auto"), "/pd", expected_pools(1, 1))
+        if direct_ingress:
+            url = cluster.direct_url("pd", "/pd") or url
+            log(f"direct ingress: the router replica answers at {url}")
         echo_url = _deploy_echo(cluster) if echo else None
+        if echo_url and direct_ingress:
+            echo_url = cluster.direct_url("echo", "/echo") or echo_url
         runs, echo_runs = [], []
         for i in range(repeats):
             runs.append(measure(url, "pd", num_samples=samples, seed=i))  # fresh prompts: no cache hits
@@ -60,7 +70,7 @@ def run(samples: int, repeats: int, preset: str, model_cache: str | None, echo: 
             if echo_url:
                 echo_runs.append(measure(echo_url, "echo", num_samples=samples, deployment="Echo"))
                 log(f"echo {i}: {echo_runs[-1]}")
-    return {"serve_env": {k: v for k, v in os.environ.items() if k.startswith("RAY_SERVE_")},
+    return {"url": url, "serve_env": {k: v for k, v in os.environ.items() if k.startswith("RAY_SERVE_")},
             "medians": _medians(runs), "runs": runs,
             **({"echo_medians": _medians(echo_runs), "echo_runs": echo_runs} if echo else {})}
 

@@ -70,6 +70,26 @@ class LocalCluster:
     def url(self, route_prefix: str = "/") -> str:
         return f"http://127.0.0.1:{self.http_port}{route_prefix.rstrip('/')}"
 
+    def direct_url(self, app_name: str, route_prefix: str) -> str | None:
+        """The app's ingress replica's own HTTP address under Serve's direct ingress
+        (`RAY_SERVE_ENABLE_DIRECT_INGRESS=1` in Ray's environment: each ingress replica
+        listens itself, on the proxy's host, and an L4 balancer such as Serve's HAProxy
+        mode fronts them instead of the Python proxy); None when it is off."""
+        import ray
+        from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        for _ in range(100):
+            for group in ray.get(controller.get_target_groups.remote(app_name)):
+                targets = [t for t in group.targets if t.port != self.http_port]
+                if str(group.protocol).endswith("HTTP") and targets:
+                    # it binds the proxy's host (127.0.0.1 here), not the node IP it reports
+                    return f"http://127.0.0.1:{targets[0].port}{route_prefix.rstrip('/')}"
+            if os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") != "1":
+                return None
+            time.sleep(0.1)  # the replica's port is allocated once it is running
+        return None
+
     def deploy(self, name: str, args: dict, route_prefix: str, expect: dict[str, int]) -> str:
         """Deploy `build_app(args)` as app `name` and wait until each pool in `expect`
         (`{"decode": 1, "prefill": 1}`) has that many healthy replicas; returns its URL."""
