@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 
 import pytest
 import torch
@@ -37,3 +38,23 @@ def test_copy_and_checksum_matches_the_one_pass_checksum():
     digest = copy_and_checksum(dst, src, chunk=4096)
     assert torch.equal(dst, src)
     assert digest == payload_checksum(tensor_bytes(src))
+
+
+def test_sweep_removes_only_dead_senders_slots(tmp_path):
+    """A killed sender leaves its /dev/shm slots behind; the next sender on the node
+    unlinks those of dead pids and never a live process's (or a foreign file)."""
+    import subprocess
+    import sys
+
+    from transport.shm_backend import sweep_dead_slots
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dead_pid = int(dead.stdout)
+    stale = tmp_path / f"pdc-kv-{dead_pid}-{'a' * 24}"
+    live = tmp_path / f"pdc-kv-{os.getpid()}-{'b' * 24}"
+    foreign = tmp_path / "pdc-kv-not-ours"
+    for path in (stale, live, foreign):
+        path.write_bytes(b"x")
+    assert sweep_dead_slots(tmp_path) == 1
+    assert not stale.exists() and live.exists() and foreign.exists()

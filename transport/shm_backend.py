@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,12 +35,42 @@ from transport.datapath import (
 from transport.wire import RELEASE, SHM, Header
 
 SHM_DIR = Path("/dev/shm")
-_SLOT_NAME = re.compile(r"^pdc-kv-[0-9a-f]{24}$")
+# pdc-kv-<creator pid>-<random>: the pid lets a later sender remove the slots of a
+# process that died without closing (a killed replica would otherwise leak /dev/shm).
+_SLOT_NAME = re.compile(r"^pdc-kv-([0-9]{1,10})-[0-9a-f]{24}$")
 MAX_MAPPINGS = 256
 
 
 def shm_available() -> bool:
     return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # alive, someone else's
+    return True
+
+
+def sweep_dead_slots(shm_dir: Path = SHM_DIR) -> int:
+    """Unlink the slot files of senders that died without closing; returns how many.
+
+    Only files whose creator pid no longer exists are touched. (Where /dev/shm is shared
+    across pid namespaces a live sender may look dead; its receiver then fails to map a
+    slot, the transfer fails and the request prefills locally: degraded, never corrupt.)"""
+    removed = 0
+    for path in shm_dir.glob("pdc-kv-*"):
+        match = _SLOT_NAME.match(path.name)
+        if match and not _pid_alive(int(match.group(1))):
+            try:
+                path.unlink()
+                removed += 1
+            except (FileNotFoundError, PermissionError):
+                pass
+    return removed
 
 
 @dataclass
@@ -51,6 +82,16 @@ class _Slot:
     freed_at: int = 0  # release tick: the latest-freed slot is the likeliest still in cache
 
 
+_swept = threading.Event()
+
+
+def _sweep_once() -> None:
+    """Once per process, when it first sends over shm (a path is made per transfer)."""
+    if not _swept.is_set():
+        _swept.set()
+        sweep_dead_slots()
+
+
 class ShmSendPath(SendPath):
     name = SHM
 
@@ -58,6 +99,7 @@ class ShmSendPath(SendPath):
         self.pool_bytes = pool_bytes
         self._slots: dict[str, _Slot] = {}
         self._ticks = 0
+        _sweep_once()
         self._inline = InlineSendPath()
 
     def payload(self, header: Header, kv: torch.Tensor) -> list:
@@ -78,7 +120,7 @@ class ShmSendPath(SendPath):
         used = sum(s.size for s in self._slots.values())
         if used + nbytes > self.pool_bytes:
             return None
-        name = f"pdc-kv-{os.urandom(12).hex()}"
+        name = f"pdc-kv-{os.getpid()}-{os.urandom(12).hex()}"
         path = SHM_DIR / name
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
