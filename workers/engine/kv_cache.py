@@ -130,7 +130,8 @@ def copy_into_blocks(layer: torch.Tensor, block_ids: list[int], kv: torch.Tensor
         return
     row = layer[0, 0].numel() * layer.element_size()  # bytes of one block's K (or V)
     layer_half, kv_half = layer[0].numel() * layer.element_size(), kv[0].numel() * kv.element_size()
+    runs = block_runs(block_ids)
     for half in range(2):
-        for dst, src, n in block_runs(block_ids):
+        for dst, src, n in runs:
             ctypes.memmove(layer.data_ptr() + half * layer_half + dst * row,
                            kv.data_ptr() + half * kv_half + src * row, n * row)
