@@ -152,17 +152,18 @@ def run_bench(opts: BenchOptions, log) -> dict:
             for line in w.describe():
                 log(line)
         runs = _run_all(opts, workloads, urls, log)
-        overhead = proxied = None
+        proxied = direct = None
         if opts.overhead_samples > 0:
             log("router overhead: HTTP through the router vs a Serve handle to the decode replica")
-            overhead = proxied = measure(urls["pd"], "pd", num_samples=opts.overhead_samples)
-            direct = cluster.direct_url("pd", "/pd") if opts.direct_ingress else None
-            if direct:
-                log(f"router overhead again, straight to the router replica (direct ingress, {direct})")
-                overhead = {**measure(direct, "pd", num_samples=opts.overhead_samples), "url": direct}
+            proxied = measure(urls["pd"], "pd", num_samples=opts.overhead_samples)
+            direct_url = cluster.direct_url("pd", "/pd") if opts.direct_ingress else None
+            if direct_url:
+                log(f"router overhead again, straight to the router replica (direct ingress, {direct_url})")
+                direct = {**measure(direct_url, "pd", num_samples=opts.overhead_samples), "url": direct_url}
+    overhead = direct or proxied  # the figure the target is read from
     results = {name: {config: _medians(rs) for config, rs in by_config.items()} for name, by_config in runs.items()}
     ratios = _ratios(results, overhead)
-    if proxied is not None and proxied is not overhead:
+    if direct is not None:
         ratios["router_overhead_via_proxy_ttft_p50_ms"] = proxied["router_overhead_ttft_p50_ms"]
     return {
         "bench": "cluster",
