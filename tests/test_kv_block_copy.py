@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import workers.engine.kv_cache as kv_cache
 from workers.engine.kv_cache import block_runs, copy_into_blocks
 
 
@@ -27,6 +29,28 @@ def test_copy_into_blocks_matches_index_copy(block_ids, dtype):
     copy_into_blocks(layer, block_ids, kv)
     assert torch.equal(layer.view(torch.uint8) if dtype == torch.bfloat16 else layer,
                        expected.view(torch.uint8) if dtype == torch.bfloat16 else expected)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 31), unique=True, min_size=1, max_size=20),
+       st.sampled_from([torch.float32, torch.bfloat16]), st.sampled_from([1, 40, 4096, 1 << 20]),
+       st.booleans())
+def test_the_digest_sees_the_source_bytes_in_order(block_ids, dtype, chunk, contiguous):
+    """Hashing the blocks as they are written (in pieces of any size, across runs, K then
+    V) gives the checksum of the payload as sent, also on the index_copy_ path."""
+    layer = torch.zeros(2, 32, 4, 2, 8, dtype=dtype)
+    kv = torch.randn(2, len(block_ids), 4, 2, 8).to(dtype)
+    if not contiguous:
+        kv = torch.randn(2, len(block_ids), 4, 8, 2).to(dtype).transpose(3, 4)
+    sent = xxhash.xxh3_64_intdigest(kv.contiguous().view(torch.uint8).numpy().tobytes())
+    digest = xxhash.xxh3_64()
+    original, kv_cache.DIGEST_CHUNK_BYTES = kv_cache.DIGEST_CHUNK_BYTES, chunk
+    try:
+        copy_into_blocks(layer, block_ids, kv, digest)
+    finally:
+        kv_cache.DIGEST_CHUNK_BYTES = original
+    assert digest.intdigest() == sent
+    assert torch.equal(layer[:, block_ids].view(torch.uint8), kv.contiguous().view(torch.uint8))
 
 
 @pytest.mark.parametrize("block_ids, shape", [

@@ -23,6 +23,7 @@ from transport.base import (
 from transport.datapath import InlineSendPath
 from transport.factory import make_receiver, make_sender
 from transport.memory_target import MemoryTarget, make_layout, synthetic_layers
+from transport.shm_backend import ShmSendPath
 from transport.wire import DONE, LAYER, Header, WireCodec
 from transport.zmq_backend import ZmqSender
 
@@ -132,9 +133,22 @@ class _CorruptingPath(InlineSendPath):
         return [bytes(flipped)]
 
 
-def test_corrupt_frame_is_detected(receiver):
-    rx, target = receiver
-    tx = ZmqSender(config("zmq"), lambda addr: _CorruptingPath())
+class _CorruptingShmPath(ShmSendPath):
+    """Flips a byte in the slot after hashing it: the receiver's copy must catch it."""
+
+    def payload(self, header, kv):
+        frames = super().payload(header, kv)
+        self._slots[header.extra["file"]].data[header.nbytes // 2] ^= 0x01
+        return frames
+
+
+@pytest.mark.parametrize("backend, path", [("zmq", _CorruptingPath),
+                                           ("shm", lambda: _CorruptingShmPath(1 << 24))],
+                         ids=["inline", "shm"])
+def test_corrupt_frame_is_detected(backend, path):
+    target = MemoryTarget(LAYOUT, 32)
+    rx = make_receiver(config(backend, reservation_ttl_s=SHORT_S), target)
+    tx = ZmqSender(config(backend), lambda addr: path())
     res = target.reserve("corrupt", 2)
     rx.expect("corrupt", res)
     sink = tx.open("corrupt", rx.address, LAYOUT)
@@ -144,8 +158,10 @@ def test_corrupt_frame_is_detected(receiver):
     with pytest.raises(TransferCorrupt):
         sink.wait(10)
     assert rx.metrics.snapshot()["rejections_total"]["checksum"] == 1
+    assert res.transfer_id not in target.reservations  # the written blocks went back unused
     assert_still_serves(rx, target)
     tx.close()
+    rx.close()
 
 
 def test_bad_key_is_rejected_and_counted(receiver):

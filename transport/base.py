@@ -26,7 +26,7 @@ from typing import ClassVar, Protocol
 
 import torch
 
-from workers.engine.kv_types import KVLayout, KVReservation
+from workers.engine.kv_types import ByteDigest, KVLayout, KVReservation
 
 
 class TransferError(Exception):
@@ -94,14 +94,17 @@ class KVTarget(Protocol):
     """What a receiver writes into: the decode engine (`LLMEngine`) or a test double.
 
     `write_kv_layer` copies `kv` (shape `layout.layer_shape(res.num_blocks_to_receive)`)
-    into the reserved blocks `[num_cached_blocks:]`; it is called from transport threads
-    and must be thread-safe with the engine's step. `cancel_kv` frees the reservation.
+    into the reserved blocks `[num_cached_blocks:]`, feeding `digest` (if given) every
+    byte of `kv` in order, so the receiver verifies the payload's checksum in the same
+    pass (`copy_into_blocks`); it is called from transport threads and must be
+    thread-safe with the engine's step. `cancel_kv` frees the reservation.
     """
 
     @property
     def layout(self) -> KVLayout: ...
 
-    def write_kv_layer(self, res: KVReservation, layer_idx: int, kv: torch.Tensor) -> None: ...
+    def write_kv_layer(self, res: KVReservation, layer_idx: int, kv: torch.Tensor,
+                       digest: ByteDigest | None = None) -> None: ...
 
     def cancel_kv(self, res: KVReservation) -> None: ...
 

@@ -12,6 +12,7 @@ import ctypes
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import xxhash
@@ -67,12 +68,6 @@ def tensor_from_bytes(buf: memoryview | bytes, dtype: str, shape: tuple[int, ...
     return flat.view(getattr(torch, dtype)).view(shape)
 
 
-def verify_checksum(header: Header, *buffers: memoryview | bytes) -> None:
-    if payload_checksum(*buffers) != header.checksum:
-        raise TransferCorrupt(f"payload of {header.transfer_id!r} layer {header.layer_start} "
-                              "does not match its checksum", "checksum", header.transfer_id)
-
-
 class SendPath(ABC):
     """Sending half. Called only from the owning peer connection's thread."""
 
@@ -99,9 +94,24 @@ class SendPath(ABC):
         return None
 
 
+def _noop() -> None:
+    return None
+
+
+@dataclass
+class Received:
+    """A payload `RecvPath.read` handed over, to be copied into the reserved blocks."""
+
+    kv: torch.Tensor
+    # The header's checksum, when the bytes are still to be verified: the receiver checks
+    # it while copying them into the blocks (one memory pass) and discards the blocks on a
+    # mismatch. None when there is nothing to verify here (a GPU tensor).
+    checksum: int | None
+    release: Callable[[], None] = _noop  # run once the copy is done, even if it failed
+
+
 class RecvPath(ABC):
-    """Receiving half. `read` returns the payload as a tensor and a callback to run after
-    the tensor was copied into the blocks (even when that copy failed)."""
+    """Receiving half. `read` returns the payload, unverified (see `Received`)."""
 
     name: str
     # True when `read` blocks (waits on another channel), so the receiver must call it
@@ -110,17 +120,13 @@ class RecvPath(ABC):
 
     @abstractmethod
     def read(self, peer: bytes, header: Header, frames: list, shape: tuple[int, ...],
-             reply: Reply) -> tuple[torch.Tensor, Callable[[], None]]: ...
+             reply: Reply) -> Received: ...
 
     def on_hello(self, peer: bytes, header: Header, reply: Reply) -> None:
         raise TransferCorrupt(f"{self.name} path has no handshake", "malformed")
 
     def close(self) -> None:  # noqa: B027 - optional hook
         return None
-
-
-def _noop() -> None:
-    return None
 
 
 class InlineSendPath(SendPath):
@@ -136,10 +142,9 @@ class InlineRecvPath(RecvPath):
     name = INLINE
 
     def read(self, peer: bytes, header: Header, frames: list, shape: tuple[int, ...],
-             reply: Reply) -> tuple[torch.Tensor, Callable[[], None]]:
+             reply: Reply) -> Received:
         if len(frames) != 1 or len(frames[0]) != header.nbytes:
             raise TransferCorrupt(f"{header.transfer_id!r}: payload frames do not match the "
                                   "header", "malformed", header.transfer_id)
         buf = frames[0].buffer if hasattr(frames[0], "buffer") else memoryview(frames[0])
-        verify_checksum(header, buf)
-        return tensor_from_bytes(buf, header.dtype, shape), _noop
+        return Received(tensor_from_bytes(buf, header.dtype, shape), header.checksum)

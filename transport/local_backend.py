@@ -84,7 +84,7 @@ class LocalReceiver(TableReceiver):
         try:
             if header.kind == LAYER:
                 shape = self.table.check_layer(t, header)
-                self.table.write(t, header, kv.reshape(shape))
+                self.table.write(t, header, kv.reshape(shape), None)  # in-process: nothing to verify
             elif header.kind == DONE:
                 self.table.complete(t, header)
                 sink.succeed()

@@ -11,7 +11,7 @@ import threading
 import torch
 
 from workers.engine.kv_cache import copy_into_blocks
-from workers.engine.kv_types import KVLayout, KVReservation
+from workers.engine.kv_types import ByteDigest, KVLayout, KVReservation
 
 
 def make_layout(num_layers: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
@@ -55,14 +55,17 @@ class MemoryTarget:
             self.reservations[transfer_id] = res
             return res
 
-    def write_kv_layer(self, res: KVReservation, layer_idx: int, kv: torch.Tensor) -> None:
+    def write_kv_layer(self, res: KVReservation, layer_idx: int, kv: torch.Tensor,
+                       digest: ByteDigest | None = None) -> None:
         if res.transfer_id not in self.reservations:
             raise KeyError(f"transfer {res.transfer_id!r} is not reserved")
         expected = self._layout.layer_shape(res.num_blocks_to_receive)
         if tuple(kv.shape) != expected:
             raise ValueError(f"shape {tuple(kv.shape)} != {expected}")
         if self.allocate:
-            copy_into_blocks(self.layers[layer_idx], res.block_ids[res.num_cached_blocks:], kv)
+            copy_into_blocks(self.layers[layer_idx], res.block_ids[res.num_cached_blocks:], kv, digest)
+        elif digest is not None:
+            digest.update(memoryview(kv.contiguous().reshape(-1).view(torch.uint8).numpy()))
         res.layers_written.add(layer_idx)
         with self._lock:
             self.write_log.append((res.transfer_id, layer_idx))

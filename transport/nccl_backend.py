@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
 from concurrent.futures import Future
 from datetime import timedelta
 
@@ -24,7 +23,7 @@ import torch
 from torch.distributed import PrefixStore, TCPStore
 
 from transport.base import PeerGone, TransferCorrupt
-from transport.datapath import RecvPath, Reply, SendPath, tensor_bytes, verify_checksum
+from transport.datapath import Received, RecvPath, Reply, SendPath, tensor_bytes
 from transport.wire import HELLO, PG, Header, payload_checksum
 
 _TAG = 0  # one ordered stream per pair: headers on ZMQ and sends here line up one to one
@@ -117,7 +116,7 @@ class PgRecvPath(RecvPath):
             self._groups[peer] = (pg, device)
 
     def read(self, peer: bytes, header: Header, frames: list, shape: tuple[int, ...],
-             reply: Reply) -> tuple[torch.Tensor, Callable[[], None]]:
+             reply: Reply) -> Received:
         with self._lock:
             entry = self._groups.get(peer)
         if entry is None or frames:
@@ -132,9 +131,7 @@ class PgRecvPath(RecvPath):
                 self._groups.pop(peer, None)
             raise PeerGone(f"process-group receive failed: {type(exc).__name__}",
                            "pg_recv", header.transfer_id) from None
-        if device == "cpu":
-            verify_checksum(header, tensor_bytes(buf))
-        return buf, lambda: None
+        return Received(buf, header.checksum if device == "cpu" else None)
 
     def close(self) -> None:
         with self._lock:

@@ -1,8 +1,9 @@
 """The `shm` data path: same-node transfers through shared-memory files in /dev/shm.
 
-The sender copies each layer into a reusable slot file (copy 1), sends the header over
-ZMQ naming the slot; the receiver maps the slot and copies it into its blocks (copy 2),
-then answers RELEASE so the slot is reused. Two copies is the floor for a path where the
+The sender copies each layer into a reusable slot file (copy 1, hashing each piece while
+it is in cache), sends the header over ZMQ naming the slot; the receiver maps the slot and
+copies it into its blocks (copy 2, verifying the checksum the same way), then answers
+RELEASE so the slot is reused. Two copies is the floor for a path where the
 sender's tensor is not itself in shared memory. When every slot is in flight and the pool
 is at its cap, the layer goes inline over ZMQ instead of waiting.
 
@@ -15,7 +16,6 @@ import os
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,13 +24,13 @@ import torch
 from transport.base import TransferCorrupt, TransferRejected
 from transport.datapath import (
     InlineSendPath,
+    Received,
     RecvPath,
     Reply,
     SendPath,
     copy_and_checksum,
     tensor_bytes,
     tensor_from_bytes,
-    verify_checksum,
 )
 from transport.wire import RELEASE, SHM, Header
 
@@ -162,7 +162,7 @@ class ShmRecvPath(RecvPath):
         self._mappings: OrderedDict[str, torch.Tensor] = OrderedDict()
 
     def read(self, peer: bytes, header: Header, frames: list, shape: tuple[int, ...],
-             reply: Reply) -> tuple[torch.Tensor, Callable[[], None]]:
+             reply: Reply) -> Received:
         tid = header.transfer_id
         name, size = header.extra.get("file"), header.extra.get("size")
         if frames or not isinstance(name, str) or not _SLOT_NAME.match(name) \
@@ -173,12 +173,8 @@ class ShmRecvPath(RecvPath):
         def release() -> None:
             reply(Header(RELEASE, tid, extra={"file": name}))
 
-        try:
-            verify_checksum(header, tensor_bytes(data))
-        except TransferCorrupt:
-            release()
-            raise
-        return tensor_from_bytes(tensor_bytes(data), header.dtype, shape), release
+        return Received(tensor_from_bytes(tensor_bytes(data), header.dtype, shape), header.checksum,
+                        release)
 
     def _map(self, name: str, size: int, tid: str) -> torch.Tensor:
         data = self._mappings.get(name)

@@ -15,6 +15,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
+import xxhash
 
 from transport.base import (
     KVReceiver,
@@ -158,14 +159,22 @@ class TransferTable:
             raise reject(f"shape {header.shape} != expected {list(shape)}", "bounds")
         return shape
 
-    def write(self, t: Transfer, header: Header, kv: torch.Tensor) -> None:
-        """Copy layers into the reserved blocks (the one copy on the receive side)."""
+    def write(self, t: Transfer, header: Header, kv: torch.Tensor, checksum: int | None) -> None:
+        """Copy layers into the reserved blocks (the one copy on the receive side), checking
+        `checksum` (unless None) on the bytes as they land. On a mismatch the transfer fails
+        and its blocks, never committed, are freed with the reservation."""
+        tid = header.transfer_id
         with t.lock:
             if t.future.done():
-                raise TransferRejected(f"{header.transfer_id!r} already failed", "late",
-                                       header.transfer_id)
+                raise TransferRejected(f"{tid!r} already failed", "late", tid)
+            digest = xxhash.xxh3_64() if checksum is not None else None
             for i in range(kv.shape[0]):
-                self.target.write_kv_layer(t.reservation, header.layer_start + i, kv[i])
+                self.target.write_kv_layer(t.reservation, header.layer_start + i, kv[i], digest)
+            if digest is not None and digest.intdigest() != checksum:
+                if t.future.done():  # cancelled meanwhile: the target dropped the layer
+                    raise TransferRejected(f"{tid!r} already failed", "late", tid)
+                raise TransferCorrupt(f"payload of {tid!r} layer {header.layer_start} does not "
+                                      "match its checksum", "checksum", tid)
             t.next_layer = header.layer_end
             t.nbytes += header.nbytes
             t.data_path = header.data_path

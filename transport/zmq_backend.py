@@ -198,11 +198,11 @@ class ZmqReceiver(TableReceiver):
             raise TransferRejected(f"data path {header.data_path!r} not accepted", "data_path",
                                    header.transfer_id)
         shape = self.table.check_layer(t, header)
-        kv, release = path.read(peer, header, payload, shape, self._reply_fn(peer))
+        received = path.read(peer, header, payload, shape, self._reply_fn(peer))
         try:
-            self.table.write(t, header, kv)
+            self.table.write(t, header, received.kv, received.checksum)
         finally:
-            release()
+            received.release()
 
     def _reject(self, peer: bytes, exc: TransferError, fail: bool) -> None:
         self.metrics.rejected(exc.reason)

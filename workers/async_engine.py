@@ -114,7 +114,7 @@ class AsyncEngine:
     async def reserve_kv(self, transfer_id: str, prompt_token_ids: list[int]) -> KVReservation | None:
         return await self.call(self._reserve, transfer_id, prompt_token_ids)
 
-    def write_kv_layer(self, reservation: KVReservation, layer_idx: int, kv) -> None:
+    def write_kv_layer(self, reservation: KVReservation, layer_idx: int, kv, digest=None) -> None:
         """For transport threads: copies on the calling thread and returns once the layer
         is written, or dropped because the reservation is closed already (its blocks may
         belong to another request now).
@@ -126,7 +126,7 @@ class AsyncEngine:
         `_kv_lock` makes it exclusive with closing that reservation."""
         with self._kv_lock:
             if reservation.transfer_id in self._open_transfer_ids:
-                self.engine.write_kv_layer(reservation, layer_idx, kv)
+                self.engine.write_kv_layer(reservation, layer_idx, kv, digest)
 
     def cancel_kv(self, reservation: KVReservation) -> None:
         """Free a reservation; safe from any thread, idempotent. It is closed to layer

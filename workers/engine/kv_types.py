@@ -65,6 +65,13 @@ class KVSink(Protocol):
         """The request ended before its KV was complete (abort, error, preemption)."""
 
 
+class ByteDigest(Protocol):
+    """What a received layer's copy feeds its bytes to, in the payload's byte order
+    (an `xxhash.xxh3_64`: the transport verifies its checksum while copying)."""
+
+    def update(self, data: memoryview, /) -> None: ...
+
+
 @dataclass
 class KVReservation:
     """Blocks held on the decode side for one expected transfer."""

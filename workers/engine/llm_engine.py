@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 from workers.engine.attention import KVExport
 from workers.engine.block_manager import BlockManager
 from workers.engine.kv_cache import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_MEMORY_FRACTION
-from workers.engine.kv_types import KVLayout, KVReservation, KVSink, StepRecord
+from workers.engine.kv_types import ByteDigest, KVLayout, KVReservation, KVSink, StepRecord
 from workers.engine.model_runner import ModelRunner, resolve_dtype
 from workers.engine.output_processor import OutputProcessor
 from workers.engine.sampler import Sampler, SamplingRow, request_seed
@@ -203,15 +203,18 @@ class LLMEngine:
             return KVReservation(transfer_id, prompt, list(seq.block_ids),
                                  num_hit_tokens // self.layout.block_size, self.layout)
 
-    def write_kv_layer(self, reservation: KVReservation, layer_idx: int, kv: torch.Tensor) -> None:
-        """Copy one received layer (`layout.layer_shape(num_blocks_to_receive)`) into its blocks.
+    def write_kv_layer(self, reservation: KVReservation, layer_idx: int, kv: torch.Tensor,
+                       digest: ByteDigest | None = None) -> None:
+        """Copy one received layer (`layout.layer_shape(num_blocks_to_receive)`) into its blocks,
+        feeding `digest` (if given) the bytes as they land (`copy_into_blocks`).
 
         Safe from a transport thread while `step()` runs: it touches only reserved blocks,
         which no running sequence reads or writes.
         """
         if reservation.transfer_id not in self.reservations:
             raise KeyError(f"transfer {reservation.transfer_id!r} is not reserved (cancelled?)")
-        self.runner.kv_cache.write_blocks(layer_idx, reservation.block_ids[reservation.num_cached_blocks:], kv)
+        self.runner.kv_cache.write_blocks(layer_idx, reservation.block_ids[reservation.num_cached_blocks:], kv,
+                                          digest)
         reservation.layers_written.add(layer_idx)
 
     def commit_kv(self, reservation: KVReservation, request_id: str, params: SamplingParams,
