@@ -125,3 +125,54 @@ def test_decoding_streams_are_scheduled_before_prefill_chunks(make_engine):
     assert prefill_steps >= 300 // 32  # it really was chunked around the streams
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def _run_streams(engine, n: int = 2, max_tokens: int = 60) -> None:
+    for i, prompt in enumerate(random_prompts([5, 7, 6][:n], seed=21)):
+        engine.add_request(f"s{i}", prompt, greedy(max_tokens, ignore_eos=True))
+    while engine.stats()["num_running"] < n or any(
+            engine.requests[f"s{i}"].num_uncomputed_tokens > 1 for i in range(n)):
+        engine.step()
+
+
+def test_a_background_prefill_takes_only_yield_tokens_while_streams_decode(make_engine):
+    engine = make_engine(max_num_batched_tokens=64)
+    _run_streams(engine)
+    long_prompt = random_prompts([400], seed=22)[0]
+    engine.add_request("bg", long_prompt, greedy(2, ignore_eos=True, yield_to_decode=True))
+    seq = engine.requests["bg"]
+    while seq.num_computed_tokens < len(long_prompt):
+        before, cap = seq.num_computed_tokens, engine.scheduler.yield_tokens
+        streams_left = [f"s{i}" for i in range(2) if f"s{i}" in engine.requests]
+        advanced = {out.request_id for out in engine.step() if out.new_token_ids}
+        assert set(streams_left) <= advanced, "a stream stalled behind the background prefill"
+        if streams_left:
+            assert 0 < seq.num_computed_tokens - before <= cap  # it yields, but it advances
+        else:
+            assert seq.num_computed_tokens - before == min(64, len(long_prompt) - before)  # full chunks
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.check_integrity()
+
+
+def test_foreground_requests_go_before_a_background_prefill(make_engine):
+    engine = make_engine(max_num_batched_tokens=64, max_num_seqs=2)
+    engine.add_request("bg", random_prompts([300], seed=23)[0], greedy(2, ignore_eos=True, yield_to_decode=True))
+    engine.step()  # it started
+    engine.add_request("fg", random_prompts([40], seed=24)[0], greedy(2, ignore_eos=True))
+    assert finish_order(engine) == ["fg", "bg"]
+
+
+def test_a_background_prefill_changes_no_token(make_engine):
+    """Greedy output is the same whether the prompt yields to streams or runs alone."""
+    prompt = random_prompts([200], seed=25)[0]
+    alone = make_engine().generate([prompt], greedy(12))[0].token_ids
+    engine = make_engine(max_num_batched_tokens=48)
+    _run_streams(engine, 3)
+    engine.add_request("bg", prompt, greedy(12, yield_to_decode=True))
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.token_ids
+    assert outputs["bg"] == alone

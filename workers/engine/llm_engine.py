@@ -24,8 +24,9 @@ from workers.engine.model_runner import ModelRunner, resolve_dtype
 from workers.engine.output_processor import OutputProcessor
 from workers.engine.sampler import Sampler, SamplingRow, request_seed
 from workers.engine.sampling_params import SamplingParams
-from workers.engine.scheduler import ScheduledSeq, Scheduler
+from workers.engine.scheduler import DEFAULT_YIELD_TOKENS, ScheduledSeq, Scheduler
 from workers.engine.sequence import RequestOutput, Sequence
+from workers.engine.step_cost import StepCostModel
 
 
 class LLMEngine:
@@ -45,6 +46,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         self.detokenize = detokenize
         self.step_records: deque[StepRecord] = deque(maxlen=max_step_records)
+        self.step_cost = StepCostModel()
         self.requests: dict[str, Sequence] = {}  # unfinished, by request id
         self.reservations: dict[str, Sequence] = {}  # KV imports in flight, by transfer id
         self._pending: list[RequestOutput] = []  # ends decided outside step(), reported by the next one
@@ -160,11 +162,16 @@ class LLMEngine:
 
     def _record_step(self, batch: list[ScheduledSeq], start_time: float, step_time_s: float) -> None:
         num_decode = sum(1 for s in batch if s.num_new_tokens == 1 and s.start >= s.seq.num_prompt_tokens)
-        self.step_records.append(StepRecord(
+        record = StepRecord(
             start_time=start_time, step_time_s=step_time_s,
             num_prefill_tokens=sum(s.num_new_tokens for s in batch) - num_decode,
             num_decode_seqs=num_decode, num_context_tokens=sum(s.end for s in batch),
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting)))
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting))
+        self.step_records.append(record)
+        if batch:
+            self.step_cost.observe(record)
+            self.scheduler.yield_tokens = self.step_cost.yield_tokens(DEFAULT_YIELD_TOKENS,
+                                                                      self.scheduler.max_num_batched_tokens)
 
     def generate(self, prompts: list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:

@@ -17,6 +17,10 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     priority: int = 0  # higher is admitted first and preempted last
+    # A background prefill (a prompt the router spilled onto a busy decode replica): it
+    # sorts after every other request and, in a step that decodes, computes only the
+    # scheduler's `yield_tokens`, so the streams beside it keep their pace.
+    yield_to_decode: bool = False
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and stored as tuples so params stay hashable.

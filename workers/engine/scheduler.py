@@ -6,6 +6,11 @@ for a prefilling one) until `max_num_batched_tokens` is spent, decoding sequence
 then prefills in priority order; leftover budget admits waiting sequences. When blocks run out, the running
 sequence that sorts last (lowest priority, latest arrival) is preempted: its blocks are
 freed and it is recomputed later, its prefix most likely served by the prefix cache.
+
+A background prefill (`SamplingParams.yield_to_decode`) sorts last and, in a step that
+decodes, takes at most `yield_tokens` (which the engine sets from its step records so
+that the chunk costs about one decode step): the streams beside it slow down by at most
+about 2x instead of stalling for a whole chunk, and it still advances every step.
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ class ScheduledSeq:
         return self.end == self.seq.num_tokens
 
 
+DEFAULT_YIELD_TOKENS = 32  # before the engine has step records to size it
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         self.block_manager = block_manager
@@ -43,6 +51,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.yield_tokens = DEFAULT_YIELD_TOKENS  # a background prefill's chunk in a decoding step
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -55,11 +64,26 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled, preempted = self._schedule_running(budget)
         budget -= sum(s.num_new_tokens for s in scheduled)
-        if not preempted:  # admitting now would only preempt someone again next step
-            scheduled += self._admit_waiting(budget)
+        if preempted:  # admitting now would only preempt someone again next step
+            return scheduled
+        scheduled += self._admit_waiting(budget, _decoding(scheduled), background=False)
+        budget = self.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
+        # Background prefills get what the others leave, and never preempt anyone.
+        scheduled += self._schedule_background(budget, _decoding(scheduled))
+        budget = self.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
+        scheduled += self._admit_waiting(budget, _decoding(scheduled), background=True)
         return scheduled
 
+    def _chunk(self, seq: Sequence, budget: int, decoding: bool) -> int:
+        """Tokens `seq` computes this step: what is left of it, within the budget; a
+        background prefill only `yield_tokens` of it when the step decodes streams."""
+        num_new = min(seq.num_uncomputed_tokens, budget)
+        if decoding and _is_background(seq):
+            num_new = min(num_new, max(1, self.yield_tokens))
+        return num_new
+
     def _schedule_running(self, budget: int) -> tuple[list[ScheduledSeq], bool]:
+        """Every running sequence but the background prefills; may preempt."""
         self.running.sort(key=lambda s: s.priority_key)
         # Decode tokens first, prefill chunks from what is left (stall-free batching): a
         # long prompt admitted before a stream takes one chunk of budget per step, never
@@ -70,12 +94,12 @@ class Scheduler:
         for seq in order:
             if budget <= 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted earlier in this loop to make room for another
+            if seq.status is not SequenceStatus.RUNNING or _is_background(seq):
+                continue  # preempted earlier in this loop, or scheduled after the others
             num_new = min(seq.num_uncomputed_tokens, budget)
             assert num_new > 0, f"running sequence {seq.request_id} has nothing to compute"
             while not self.block_manager.allocate(seq, seq.num_computed_tokens + num_new):
-                victim = self.running[-1]  # sorts last: lowest priority, latest arrival
+                victim = self.running[-1]  # sorts last: background, lowest priority, latest arrival
                 self._preempt(victim)
                 preempted = True
                 undone = scheduled.pop(victim.request_id, None)
@@ -88,15 +112,31 @@ class Scheduler:
                 budget -= num_new
         return list(scheduled.values()), preempted
 
-    def _admit_waiting(self, budget: int) -> list[ScheduledSeq]:
+    def _schedule_background(self, budget: int, decoding: bool) -> list[ScheduledSeq]:
+        scheduled: list[ScheduledSeq] = []
+        for seq in [s for s in self.running if _is_background(s)]:
+            if budget <= 0:
+                break
+            num_new = self._chunk(seq, budget, decoding)
+            if not self.block_manager.allocate(seq, seq.num_computed_tokens + num_new):
+                break  # it waits for blocks rather than take anyone's
+            scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+        return scheduled
+
+    def _admit_waiting(self, budget: int, decoding: bool, background: bool) -> list[ScheduledSeq]:
+        """Waiting sequences in priority order: the foreground ones, or the background ones."""
         self.waiting.sort(key=lambda s: s.priority_key)
         scheduled: list[ScheduledSeq] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if _is_background(seq) != background:
+                break  # background ones sort last: none (or no more) of the kind asked for
             is_fresh = not seq.block_ids  # imported KV arrives holding its blocks already
             if is_fresh:
                 self.block_manager.match_prefix(seq)
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            decoding = decoding or seq.is_decoding  # an imported prompt decodes at once
+            num_new = self._chunk(seq, budget, decoding)
             if not self.block_manager.allocate(seq, seq.num_computed_tokens + num_new):
                 if is_fresh:
                     self._release(seq)
@@ -132,3 +172,13 @@ class Scheduler:
 
     def held_block_tables(self) -> list[list[int]]:
         return [s.block_ids for s in self.running + self.waiting]
+
+
+def _is_background(seq: Sequence) -> bool:
+    """A background prefill: `yield_to_decode` and not yet generating (its decode steps,
+    one token each, run with the others)."""
+    return seq.params.yield_to_decode and not seq.is_decoding
+
+
+def _decoding(scheduled: list[ScheduledSeq]) -> bool:
+    return any(s.seq.is_decoding for s in scheduled)

@@ -60,9 +60,15 @@ class Sequence:
         return self.num_tokens - self.num_computed_tokens
 
     @property
-    def priority_key(self) -> tuple[int, int]:
-        """Sorts first whoever is admitted first and preempted last: higher priority, then FCFS."""
-        return (-self.params.priority, self.arrival)
+    def priority_key(self) -> tuple[bool, int, int]:
+        """Sorts first whoever is admitted first and preempted last: foreground before
+        background (`yield_to_decode`), then higher priority, then FCFS."""
+        return (self.params.yield_to_decode, -self.params.priority, self.arrival)
+
+    @property
+    def is_decoding(self) -> bool:
+        """Its next step computes one generated token (not part of a prompt)."""
+        return self.num_uncomputed_tokens == 1 and self.num_computed_tokens >= self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -1,0 +1,50 @@
+"""`StepCostModel`: the background prefill's chunk sized from the engine's step records."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engine_support import make_engine_fixture  # noqa: F401
+from workers.engine.kv_types import StepRecord
+from workers.engine.step_cost import MIN_PREFILL_TOKENS, StepCostModel
+
+
+def record(step_s: float, prefill_tokens: int, decode_seqs: int) -> StepRecord:
+    return StepRecord(start_time=0.0, step_time_s=step_s, num_prefill_tokens=prefill_tokens,
+                      num_decode_seqs=decode_seqs, num_context_tokens=prefill_tokens + decode_seqs,
+                      num_running=decode_seqs + 1, num_waiting=0)
+
+
+def test_the_default_holds_until_both_costs_are_known():
+    model = StepCostModel()
+    assert model.yield_tokens(32, 512) == 32
+    model.observe(record(0.040, 0, 2))
+    assert model.yield_tokens(32, 512) == 32
+    assert model.yield_tokens(32, 16) == 16  # never above the step budget
+
+
+@pytest.mark.parametrize("decode_s, token_s, expected", [(0.040, 0.002, 20), (0.030, 0.0001, 300),
+                                                          (0.001, 0.01, 1)])
+def test_yield_tokens_cost_about_one_decode_step(decode_s, token_s, expected):
+    model = StepCostModel()
+    for _ in range(50):  # converged averages
+        model.observe(record(decode_s, 0, 3))
+        model.observe(record(token_s * 512, 512, 0))
+    assert model.yield_tokens(32, 512) == pytest.approx(expected, abs=1)
+
+
+def test_short_chunks_and_idle_steps_teach_nothing():
+    model = StepCostModel()
+    model.observe(record(0.5, MIN_PREFILL_TOKENS - 1, 0))  # overhead-dominated
+    model.observe(record(0.5, 0, 0))
+    assert model.prefill_token_s is None and model.decode_step_s is None
+
+
+def test_the_engine_sizes_its_scheduler_from_its_records(make_engine):
+    from tests.engine_support import greedy, random_prompts
+
+    engine = make_engine(max_num_batched_tokens=128)
+    engine.generate(random_prompts([300, 5], seed=3), greedy(8, ignore_eos=True))
+    model = engine.step_cost
+    assert model.decode_step_s and model.prefill_token_s
+    assert engine.scheduler.yield_tokens == model.yield_tokens(32, 128)
