@@ -11,6 +11,7 @@ come from the ControlPlane, polled in the background.
 # signatures of a class that Serve pickles by value.
 
 import asyncio
+import dataclasses
 import logging
 import random
 import time
@@ -174,7 +175,8 @@ class Router:
 
         def make_request(plan) -> GenerateRequest:
             return GenerateRequest(
-                request_id=request_id, prompt_token_ids=prompt_ids, params=params, seed=seed,
+                request_id=request_id, prompt_token_ids=prompt_ids, seed=seed,
+                params=dataclasses.replace(params, yield_to_decode=True) if plan.decision.yield_prefill else params,
                 route=plan.decision.route, reason=plan.decision.reason, workload=workload,
                 deadline=time.time() + profile.deadline_s if profile.deadline_s else None,
                 prefill_timeout_s=self.config.router.prefill_timeout_s,

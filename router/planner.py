@@ -1,7 +1,8 @@
 """Where one request runs: the router's view of the cluster, replica choice and policy.
 
 `ClusterView` holds the replicas the ControlPlane reported plus what this router has in
-flight on each, and the prefix index of what it routed where. `plan()` picks the decode
+flight on each (requests, and prompt tokens still waiting for their first token), and
+the prefix index of what it routed where. `plan()` picks the decode
 replica (prefix-cache affinity first, then load), the prefill replica (shortest queue),
 asks the routing policy, and may send a local request whole to an idle prefill replica
 so that no hardware idles while the decode replica is the busier one.
@@ -30,6 +31,9 @@ class RoutePlan:
     num_cached_tokens: int
     hashes: list[int] = field(default_factory=list, repr=False)
     prefill_released: bool = False  # the remote prefill finished: the prefill replica is free
+    prefill_on: str | None = None  # the replica that computes the prompt
+    prefill_tokens: int = 0  # the prompt tokens it computes (its expected cache hit aside)
+    first_token: bool = False  # the first token is back: the prompt is done, it decodes now
 
 
 class ClusterView:
@@ -38,6 +42,8 @@ class ClusterView:
         self.max_num_seqs = max_num_seqs
         self.replicas: dict[str, ReplicaInfo] = {}
         self.inflight: Counter[str] = Counter()
+        self.backlog: Counter[str] = Counter()  # prompt tokens waiting for a first token
+        self.awaiting_first: Counter[str] = Counter()  # target replica, before the first token
         self.excluded: set[str] = set()  # replicas that just failed a call, until the next update
         self.index = PrefixIndex(prefix_capacity_blocks)
 
@@ -63,22 +69,37 @@ class ClusterView:
         for replica_id in _touched(plan):
             self.inflight[replica_id] += 1
             self.index.insert(replica_id, plan.hashes)  # a prefill replica caches the prompt too
+        if plan.prefill_on:
+            self.backlog[plan.prefill_on] += plan.prefill_tokens
+        if plan.target_replica:
+            self.awaiting_first[plan.target_replica] += 1
 
     def end(self, plan: RoutePlan) -> None:
+        self.first_token(plan)
         for replica_id in _touched(plan):
-            self._release(replica_id)
+            _decrement(self.inflight, replica_id)
 
     def prefill_done(self, plan: RoutePlan) -> None:
         """The first token is back: a disaggregated request no longer loads its prefill
         replica (it decodes elsewhere), so `max_prefill_queue` counts prefills only."""
+        self.first_token(plan)
         if plan.prefill_replica and not plan.prefill_released:
             plan.prefill_released = True
-            self._release(plan.prefill_replica)
+            _decrement(self.inflight, plan.prefill_replica)
 
-    def _release(self, replica_id: str) -> None:
-        self.inflight[replica_id] -= 1
-        if self.inflight[replica_id] <= 0:
-            del self.inflight[replica_id]
+    def first_token(self, plan: RoutePlan) -> None:
+        """Idempotent: the prompt is computed; it no longer queues anyone's prefill."""
+        if plan.first_token:
+            return
+        plan.first_token = True
+        if plan.prefill_on:
+            _decrement(self.backlog, plan.prefill_on, plan.prefill_tokens)
+        if plan.target_replica:
+            _decrement(self.awaiting_first, plan.target_replica)
+
+    def num_streams(self, replica: ReplicaInfo) -> int:
+        """Requests this router has past their first token on `replica`."""
+        return max(0, self.inflight[replica.replica_id] - self.awaiting_first[replica.replica_id])
 
     def plan(self, prompt_ids: list[int], max_tokens: int, profile: ProfileView,
              forced_mode: str | None, offload_to_prefill: bool = True) -> RoutePlan:
@@ -99,13 +120,18 @@ class ClusterView:
             prefill_queue_len=self.load(prefill) if prefill else 0,
             decode_has_room=self._has_room(decode, len(prompt_ids) + max_tokens, hit_blocks),
             decode_num_requests=self.load(decode),
+            prefill_backlog_tokens=self.backlog[prefill.replica_id] if prefill else 0,
+            decode_backlog_tokens=self.backlog[decode.replica_id], decode_num_streams=self.num_streams(decode),
             prefill_stats=dict(prefill.stats) if prefill else {}, decode_stats=dict(decode.stats))
         decision = decide(ctx)
         if decision.route == "disagg":
-            return RoutePlan("decode", decode.replica_id, prefill.replica_id, decision, num_cached, hashes)
+            prefill_hit = self.index.num_matched_blocks(prefill.replica_id, hashes) * self.block_size
+            return RoutePlan("decode", decode.replica_id, prefill.replica_id, decision, num_cached, hashes,
+                             prefill_on=prefill.replica_id, prefill_tokens=_uncached(prompt_ids, prefill_hit))
         if offload_to_prefill and prefill is not None and self._prefer_prefill(prefill, decode, hashes, hit_blocks):
             return self._whole_on(prefill, hashes, prompt_ids, decision)
-        return RoutePlan("decode", decode.replica_id, None, decision, num_cached, hashes)
+        return RoutePlan("decode", decode.replica_id, None, decision, num_cached, hashes,
+                         prefill_on=decode.replica_id, prefill_tokens=_uncached(prompt_ids, num_cached))
 
     def _choose_decode(self, decodes: list[ReplicaInfo], hashes: list[int]) -> tuple[ReplicaInfo, int]:
         least = min(decodes, key=self.load)
@@ -135,9 +161,20 @@ class ClusterView:
                   decision: RouteDecision) -> RoutePlan:
         hit = self.index.num_matched_blocks(prefill.replica_id, hashes)
         num_cached = min(hit * self.block_size, len(prompt_ids) - 1)
-        return RoutePlan("prefill", prefill.replica_id, None, decision, num_cached, hashes)
+        return RoutePlan("prefill", prefill.replica_id, None, decision, num_cached, hashes,
+                         prefill_on=prefill.replica_id, prefill_tokens=_uncached(prompt_ids, num_cached))
 
 
 def _touched(plan: RoutePlan) -> list[str]:
     prefill = None if plan.prefill_released else plan.prefill_replica
     return [r for r in (plan.target_replica, prefill) if r]
+
+
+def _uncached(prompt_ids: list[int], num_cached: int) -> int:
+    return max(1, len(prompt_ids) - num_cached)
+
+
+def _decrement(counter: Counter[str], key: str, amount: int = 1) -> None:
+    counter[key] -= amount
+    if counter[key] <= 0:
+        del counter[key]

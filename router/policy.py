@@ -15,6 +15,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
+from workers.engine.step_cost import YIELD_STEP_FRACTION
 from workers.protocol import REASONS, Route
 
 
@@ -38,9 +39,14 @@ class RouteContext:
     prefill_queue_len: int = 0  # of the least-loaded healthy prefill replica
     decode_has_room: bool = True  # the decode replica can hold this request's KV now
     # requests the decode replica runs or is about to (its reported running + waiting, or
-    # what this router has in flight there, remote prefills included): what a local
-    # prefill on it would stall
+    # what this router has in flight there, remote prefills included)
     decode_num_requests: int = 0
+    # Prompt tokens this router has waiting for a first token on the least-loaded prefill
+    # replica / on the chosen decode replica (what a prefill there queues behind), and the
+    # requests past their first token on the decode replica (the streams it decodes now).
+    prefill_backlog_tokens: int = 0
+    decode_backlog_tokens: int = 0
+    decode_num_streams: int = 0
     prefill_stats: dict[str, Any] = field(default_factory=dict)  # for future predictive policies
     decode_stats: dict[str, Any] = field(default_factory=dict)
 
@@ -53,6 +59,9 @@ class RouteContext:
 class RouteDecision:
     route: Route
     reason: str
+    # prefill in the background (`SamplingParams.yield_to_decode`): a prompt spilled onto
+    # a decode replica takes only the step time its streams leave
+    yield_prefill: bool = False
 
     def __post_init__(self) -> None:
         assert self.route in ("local", "disagg"), self.route
@@ -93,14 +102,24 @@ class DisaggPolicy(RoutingPolicy):
         return RouteDecision("disagg", self.reason)
 
 
+# While the decode replica has streams, a spilled prompt prefills in the background: each
+# step gives it prompt tokens worth YIELD_STEP_FRACTION of a decode step (`step_cost`), so
+# it advances (1 + f) / f times slower than alone (3x).
+SPILL_SLOWDOWN_WHILE_DECODING = (1.0 + YIELD_STEP_FRACTION) / YIELD_STEP_FRACTION
+
+
 class AutoPolicy(RoutingPolicy):
-    """Disaggregate only when it pays (Dynamo's conditional rule): a long uncached prompt
-    goes to the prefill pool; a busy pool (`max_prefill_queue` reached) spills it to the
-    decode replica only where that prefill would not stall streams there (Dynamo's
-    decode-busy guard): the replica has nothing running or coming, or the uncached prompt
-    is at most `max_local_prefill_tokens_while_decoding`. Otherwise it queues for the
-    prefill pool: a 1-2k-token local prefill takes seconds, every stream beside it stalls
-    once per chunk and misses its TPOT, while the queue costs only TTFT."""
+    """Disaggregate when it pays (Dynamo's conditional rule): a long uncached prompt goes
+    to the prefill pool, unless the decode replica would give it its first token sooner.
+
+    The prompt spills to the decode replica (`prefill-busy`) when that replica has no
+    more prompt tokens waiting than the prefill replica (never into the longer queue) and
+    either the prefill replica's queue has reached `max_prefill_queue` or the expected
+    wait is shorter there: `slowdown * (decode backlog + prompt) < prefill backlog +
+    prompt`, the slowdown being 3 while the decode replica has streams and 1 when idle.
+    A spilled prompt longer than `max_local_prefill_tokens_while_decoding` prefills in the
+    background (`yield_prefill`): it takes only the step time the streams leave, so they
+    keep their TPOT, and an idle decode replica lends its whole core to prefill."""
 
     def decide(self, ctx: RouteContext) -> RouteDecision:
         if ctx.num_healthy_prefill == 0:
@@ -110,13 +129,23 @@ class AutoPolicy(RoutingPolicy):
         if ctx.num_uncached_tokens < threshold:
             reason = "prefix-hit" if ctx.prompt_len >= threshold else "short-prompt"
             return RouteDecision("local", reason)
-        if ctx.prefill_queue_len >= profile.max_prefill_queue and (
-                ctx.decode_num_requests == 0
-                or ctx.num_uncached_tokens <= profile.max_local_prefill_tokens_while_decoding):
-            return RouteDecision("local", "prefill-busy")
+        if _spill(ctx):
+            background = ctx.num_uncached_tokens > profile.max_local_prefill_tokens_while_decoding
+            return RouteDecision("local", "prefill-busy", yield_prefill=background)
         if not ctx.decode_has_room:
             return RouteDecision("local", "decode-busy")
-        return RouteDecision("disagg", "long-prompt")  # queued behind a busy pool, if need be
+        return RouteDecision("disagg", "long-prompt")
+
+
+def _spill(ctx: RouteContext) -> bool:
+    """The decode replica is expected to prefill this prompt sooner than the prefill pool."""
+    remote, local = ctx.prefill_backlog_tokens, ctx.decode_backlog_tokens
+    if local > remote:
+        return False
+    if ctx.prefill_queue_len >= ctx.profile.max_prefill_queue:
+        return True
+    slowdown = SPILL_SLOWDOWN_WHILE_DECODING if ctx.decode_num_streams > 0 else 1.0
+    return slowdown * (local + ctx.num_uncached_tokens) < remote + ctx.num_uncached_tokens
 
 
 def policy_for(ctx: RouteContext) -> RoutingPolicy:

@@ -45,36 +45,39 @@ def test_decision_table(kw, expected):
     assert (decision.route, decision.reason) == expected
 
 
-# The decode-busy guard: a busy prefill pool spills a prompt to the decode replica only
-# where that prefill would not stall streams there (AUTO_GUARD: at most 300 uncached tokens).
-AUTO_GUARD = ProfileView(mode="auto", min_remote_prefill_tokens=100, max_prefill_queue=2,
+# Spilling to the decode replica: where the prompt's first token is expected sooner.
+# The prompt has 500 uncached tokens; AUTO_SPILL lets a prompt of 300 or less spill in the
+# foreground, a longer one prefills in the background (yield_prefill).
+AUTO_SPILL = ProfileView(mode="auto", min_remote_prefill_tokens=100, max_prefill_queue=4,
                          max_local_prefill_tokens_while_decoding=300)
-BUSY = {"profile": AUTO_GUARD, "prefill_queue_len": 2}
+SPILL = {"profile": AUTO_SPILL}
+BACKGROUND, FOREGROUND, REMOTE = ("local", "prefill-busy", True), ("local", "prefill-busy", False), \
+    ("disagg", "long-prompt", False)
 
 
 @pytest.mark.parametrize(
     ("kw", "expected"),
     [
-        ({**BUSY, "decode_num_requests": 0}, ("local", "prefill-busy")),  # nothing to stall
-        ({**BUSY, "decode_num_requests": 1}, ("disagg", "long-prompt")),  # queue, keep decode clean
-        ({**BUSY, "decode_num_requests": 5, "prompt_len": 2000}, ("disagg", "long-prompt")),
-        ({**BUSY, "decode_num_requests": 1, "prompt_len": 300}, ("local", "prefill-busy")),  # small enough
-        ({**BUSY, "decode_num_requests": 1, "prompt_len": 301}, ("disagg", "long-prompt")),
-        ({**BUSY, "decode_num_requests": 1, "num_cached_tokens": 200}, ("local", "prefill-busy")),  # 300 uncached
-        ({**BUSY, "decode_num_requests": 1, "prompt_len": 50}, ("local", "short-prompt")),
-        ({**BUSY, "decode_num_requests": 1, "decode_has_room": False}, ("local", "decode-busy")),
-        ({**BUSY, "decode_num_requests": 0, "decode_has_room": False}, ("local", "prefill-busy")),
-        ({**BUSY, "decode_num_requests": 3, "prefill_queue_len": 1}, ("disagg", "long-prompt")),  # pool not busy
-        ({**BUSY, "decode_num_requests": 3, "num_healthy_prefill": 0}, ("local", "prefill-unhealthy")),
-        ({**BUSY, "decode_num_requests": 3, "forced_mode": "local"}, ("local", "forced")),
-        ({"profile": ProfileView(mode="auto", min_remote_prefill_tokens=100, max_prefill_queue=2,
-                                 max_local_prefill_tokens_while_decoding=0),
-          "prefill_queue_len": 5, "decode_num_requests": 1}, ("disagg", "long-prompt")),
+        ({**SPILL}, REMOTE),  # both idle: disaggregation is free
+        ({**SPILL, "prefill_backlog_tokens": 1}, BACKGROUND),  # idle decode replica: 500 < 501
+        ({**SPILL, "prefill_backlog_tokens": 1, "prompt_len": 300}, FOREGROUND),  # small enough
+        ({**SPILL, "prefill_backlog_tokens": 1, "prompt_len": 50}, ("local", "short-prompt", False)),
+        ({**SPILL, "prefill_backlog_tokens": 400, "decode_backlog_tokens": 400}, REMOTE),  # equal
+        ({**SPILL, "prefill_backlog_tokens": 401, "decode_backlog_tokens": 400}, BACKGROUND),
+        ({**SPILL, "prefill_backlog_tokens": 1000, "decode_num_streams": 2}, REMOTE),  # 3*500 = 1500
+        ({**SPILL, "prefill_backlog_tokens": 1001, "decode_num_streams": 2}, BACKGROUND),
+        ({**SPILL, "prefill_queue_len": 4}, BACKGROUND),  # the pool's queue cap
+        ({**SPILL, "prefill_queue_len": 4, "decode_backlog_tokens": 1}, REMOTE),  # never the longer queue
+        ({**SPILL, "prefill_queue_len": 3, "decode_num_streams": 9}, REMOTE),
+        ({**SPILL, "prefill_backlog_tokens": 9000, "decode_has_room": False}, BACKGROUND),
+        ({**SPILL, "decode_has_room": False}, ("local", "decode-busy", False)),
+        ({**SPILL, "prefill_backlog_tokens": 9000, "num_healthy_prefill": 0}, ("local", "prefill-unhealthy", False)),
+        ({**SPILL, "prefill_backlog_tokens": 9000, "forced_mode": "disagg"}, ("disagg", "forced", False)),
     ],
 )
-def test_decode_busy_guard(kw, expected):
+def test_spill_table(kw, expected):
     decision = decide(ctx(**kw))
-    assert (decision.route, decision.reason) == expected
+    assert (decision.route, decision.reason, decision.yield_prefill) == expected
 
 
 def test_never_disagg_without_prefill():

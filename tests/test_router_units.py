@@ -246,27 +246,40 @@ def test_planner_fallbacks_and_offload():
     assert full.decision.reason == "decode-busy"
 
 
-def test_planner_busy_prefill_spills_only_to_a_quiet_decode_replica():
-    """The decode-busy guard gets the decode replica's requests from its heartbeat and from
-    what this router has in flight there (a remote prefill in progress counts: its stream
-    is about to start)."""
+def test_planner_spills_a_prompt_where_its_first_token_comes_sooner():
+    """The planner counts the prompt tokens it has waiting for a first token on each
+    replica and the streams past it; the policy spills on those (AutoPolicy)."""
     view = ClusterView(block_size=16, max_num_seqs=8)
-    busy_prefill = replica("p1", "prefill", num_running=1, num_waiting=1)  # queue 2 = max_prefill_queue
-    view.update([replica("d1", "decode"), busy_prefill])
-    long_prompt = list(range(100))  # 100 uncached tokens > AUTO's 32; AUTO's guard allows 512
-    guarded = ProfileView("auto", min_remote_prefill_tokens=32, max_prefill_queue=2,
+    view.update([replica("d1", "decode"), replica("p1", "prefill")])
+    profile = ProfileView("auto", min_remote_prefill_tokens=32, max_prefill_queue=4,
                           max_local_prefill_tokens_while_decoding=64)
-    idle = view.plan(long_prompt, 8, guarded, None)
-    assert (idle.decision.route, idle.decision.reason) == ("local", "prefill-busy")
-    view.update([replica("d1", "decode", num_running=1), busy_prefill])
-    streaming = view.plan(long_prompt, 8, guarded, None)
-    assert (streaming.decision.route, streaming.decision.reason) == ("disagg", "long-prompt")
-    assert view.plan(long_prompt, 8, AUTO, None).decision.reason == "prefill-busy"  # small enough
-    view.update([replica("d1", "decode"), busy_prefill])  # the heartbeat says idle, but...
-    view.begin(streaming)  # ...this router has a request in flight there
-    assert view.plan([7] * 100, 8, guarded, None).decision.route == "disagg"
-    view.end(streaming)
-    assert view.plan([7] * 100, 8, guarded, None).decision.reason == "prefill-busy"
+
+    def plan(seed: int, n: int = 100):
+        p = view.plan([seed] * n, 8, profile, None, offload_to_prefill=False)
+        view.begin(p)
+        return p
+
+    first = plan(1)
+    assert first.decision.route == "disagg" and view.backlog == {"p1": 100}  # an idle pool: remote
+    second = plan(2)  # 100 ahead of it on p1, nothing on the idle d1: spill, in the background
+    assert (second.decision.reason, second.decision.yield_prefill) == ("prefill-busy", True)
+    assert view.backlog == {"p1": 100, "d1": 100}
+    assert plan(3).decision.route == "disagg"  # equal waits: the prefill pool
+    view.update([replica("d1", "decode"), replica("p1", "prefill", num_running=4)])  # queue at the cap
+    capped = view.plan([5] * 40, 8, profile, None, offload_to_prefill=False)  # too small to yield
+    assert (capped.decision.reason, capped.decision.yield_prefill) == ("prefill-busy", False)
+    view.update([replica("d1", "decode"), replica("p1", "prefill")])
+    for p in (first, second):
+        view.prefill_done(p)  # first tokens back: both decode on d1 now
+    assert view.backlog == {"p1": 100} and view.num_streams(view.replicas["d1"]) == 2
+    # d1 streams: a spill runs ~3x slower there, so it must be clearly better
+    assert plan(6).decision.route == "disagg"  # 3 * 100 vs 100 + 100 ahead: no
+    assert plan(8).decision.route == "disagg"  # 3 * 100 vs 200 + 100 ahead: no
+    third = plan(7)  # 300 ahead on p1 now: 3 * 100 < 400
+    assert (third.decision.reason, third.decision.yield_prefill) == ("prefill-busy", True)
+    for p in (first, second, third):
+        view.end(p)
+    assert view.num_streams(view.replicas["d1"]) == 0 and "d1" not in view.backlog
 
 
 def test_decode_busy_guard_threshold_is_a_profile_field():

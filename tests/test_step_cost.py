@@ -23,14 +23,28 @@ def test_the_default_holds_until_both_costs_are_known():
     assert model.yield_tokens(32, 16) == 16  # never above the step budget
 
 
-@pytest.mark.parametrize("decode_s, token_s, expected", [(0.040, 0.002, 20), (0.030, 0.0001, 300),
+@pytest.mark.parametrize("decode_s, token_s, expected", [(0.040, 0.002, 10), (0.060, 0.0001, 300),
                                                           (0.001, 0.01, 1)])
-def test_yield_tokens_cost_about_one_decode_step(decode_s, token_s, expected):
+def test_yield_tokens_cost_half_a_decode_step(decode_s, token_s, expected):
     model = StepCostModel()
     for _ in range(50):  # converged averages
         model.observe(record(decode_s, 0, 3))
         model.observe(record(token_s * 512, 512, 0))
     assert model.yield_tokens(32, 512) == pytest.approx(expected, abs=1)
+
+
+def test_the_marginal_cost_beside_streams_sizes_the_chunk():
+    """Small chunks beside streams cost more per token than big chunks: the model sizes
+    the background chunk from what tokens actually added to decoding steps."""
+    model = StepCostModel()
+    for _ in range(50):
+        model.observe(record(0.020, 0, 2))  # decode step 20 ms
+        model.observe(record(0.512, 512, 0))  # 1 ms per token in a big chunk
+        model.observe(record(0.040, 10, 2))  # but 10 tokens beside streams add 20 ms: 2 ms each
+    assert model.marginal_token_s == pytest.approx(0.002, rel=0.01)
+    assert model.yield_tokens(32, 512) == 5  # half a decode step: 10 ms / 2 ms
+    model.observe(record(0.045, 1, 2))  # a prompt's last token beside the streams
+    assert model.marginal_token_s < 0.003  # weighs as one token (a per-step average: 6.6 ms)
 
 
 def test_short_chunks_and_idle_steps_teach_nothing():

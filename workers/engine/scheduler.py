@@ -9,8 +9,8 @@ freed and it is recomputed later, its prefix most likely served by the prefix ca
 
 A background prefill (`SamplingParams.yield_to_decode`) sorts last and, in a step that
 decodes, takes at most `yield_tokens` (which the engine sets from its step records so
-that the chunk costs about one decode step): the streams beside it slow down by at most
-about 2x instead of stalling for a whole chunk, and it still advances every step.
+that the chunk costs about half a decode step, `step_cost`): the streams beside it slow
+down by about 1.5x instead of stalling for a whole chunk, and it still advances every step.
 """
 
 from __future__ import annotations

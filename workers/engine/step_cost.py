@@ -1,9 +1,14 @@
 """What a step costs, learned from the engine's own step records.
 
-Two running estimates: the time of a step that only decodes, and the time per prompt
-token of a step that prefills. Their ratio sizes a background prefill's chunk in a
-decoding step (`Scheduler.yield_tokens`): that many prompt tokens cost about one decode
-step, so the streams beside a background prefill run at no less than about half speed.
+Running estimates: the time of a step that only decodes, the time per prompt token of a
+step that prefills, and what a prompt token adds to a step that decodes (small chunks
+beside streams cost more per token than big ones: per-step work, attention over a long
+context). The decode step over the marginal token cost sizes a background prefill's
+chunk in a decoding step (`Scheduler.yield_tokens`): that many prompt tokens cost about
+`YIELD_STEP_FRACTION` of a decode step, so the streams beside a background prefill keep
+about 2/3 of their speed (a stream's TPOT SLO is usually a few times its unloaded TPOT,
+which a loaded replica already eats into), and the prefill advances at about 1/3 of its
+full speed while they decode, at full speed when they are done.
 (The `auto` policy's future TTFT/TPOT predictions start from the same two numbers.)
 """
 
@@ -13,6 +18,7 @@ from dataclasses import dataclass
 
 from workers.engine.kv_types import StepRecord
 
+YIELD_STEP_FRACTION = 0.5  # a background chunk's cost, in decode steps
 MIN_PREFILL_TOKENS = 64  # shorter chunks are dominated by per-step overhead, not tokens
 EMA_WEIGHT = 0.2  # of the newest observation
 
@@ -21,19 +27,35 @@ EMA_WEIGHT = 0.2  # of the newest observation
 class StepCostModel:
     decode_step_s: float | None = None  # a step with decode tokens only
     prefill_token_s: float | None = None  # per prompt token, in steps that prefill
+    # what prompt tokens added to decoding steps: time and tokens, each averaged, so a
+    # 1-token chunk (a prompt's last token) weighs as one token, not as a whole chunk
+    _added_s: float | None = None
+    _added_tokens: float | None = None
 
     def observe(self, record: StepRecord) -> None:
-        if record.num_prefill_tokens == 0 and record.num_decode_seqs > 0:
+        prefill, decode = record.num_prefill_tokens, record.num_decode_seqs
+        if prefill == 0 and decode > 0:
             self.decode_step_s = _ema(self.decode_step_s, record.step_time_s)
-        elif record.num_prefill_tokens >= MIN_PREFILL_TOKENS:
-            self.prefill_token_s = _ema(self.prefill_token_s, record.step_time_s / record.num_prefill_tokens)
+        elif prefill > 0 and decode > 0 and self.decode_step_s:
+            self._added_s = _ema(self._added_s, max(0.0, record.step_time_s - self.decode_step_s))
+            self._added_tokens = _ema(self._added_tokens, float(prefill))
+        if prefill >= MIN_PREFILL_TOKENS:
+            self.prefill_token_s = _ema(self.prefill_token_s, record.step_time_s / prefill)
+
+    @property
+    def marginal_token_s(self) -> float | None:
+        """Per prompt token added to a step that decodes."""
+        if self._added_s is None or not self._added_tokens:
+            return None
+        return self._added_s / self._added_tokens
 
     def yield_tokens(self, default: int, limit: int) -> int:
-        """Prompt tokens that cost about one decode step, in [1, limit]; `default` until
-        both estimates exist."""
-        if not self.decode_step_s or not self.prefill_token_s:
+        """Prompt tokens that add about `YIELD_STEP_FRACTION` of a decode step to a step
+        that decodes, in [1, limit]; `default` until the costs are known."""
+        token_s = self.marginal_token_s or self.prefill_token_s
+        if not self.decode_step_s or not token_s:
             return min(default, limit)
-        return max(1, min(limit, int(self.decode_step_s / self.prefill_token_s)))
+        return max(1, min(limit, int(YIELD_STEP_FRACTION * self.decode_step_s / token_s)))
 
 
 def _ema(current: float | None, value: float) -> float:
