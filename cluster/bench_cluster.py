@@ -49,7 +49,7 @@ class BenchOptions:
     prompt_factor: float = 1.0
     rate_factor: float = 1.0
     num_requests: int | None = None  # each workload scaled to about this many requests
-    overhead_samples: int = 30  # 0: no router-overhead measurement
+    overhead_samples: int = 60  # 0: no router-overhead measurement
     workloads: tuple[str, ...] | None = None  # a subset of the workload names; None: all
     direct_ingress: bool = True  # Serve's direct ingress on (the proxy still runs)
     out: Path = Path("runs/bench-cluster")
@@ -62,7 +62,7 @@ def bench_cluster_cmd(
     quick: bool = typer.Option(False, "--quick", help="Smoke-test size: tiny model, 1 repeat, short workloads."),
     preset: str = typer.Option("small", help="Embedded model preset (tiny, small)."),
     model_cache: str | None = typer.Option(None, help="Where the preset is made once (default ~/.cache/pdcluster)."),
-    overhead_samples: int = typer.Option(30, min=0, help="Requests per path for the router-overhead figure "
+    overhead_samples: int = typer.Option(60, min=0, help="Requests per path for the router-overhead figure "
                                                          "(0: skip it)."),
     workloads: str | None = typer.Option(None, "--workloads", help="Comma-separated subset of the workloads "
                                          f"({', '.join(WORKLOAD_NAMES)}); default all."),

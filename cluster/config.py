@@ -167,8 +167,9 @@ class WorkloadProfile(_Strict):
     mode: Mode = "auto"
     min_remote_prefill_tokens: int = Field(default=256, ge=0)
     max_prefill_queue: int = Field(default=4, ge=0)
-    # auto, prefill pool busy: still prefill locally when the uncached prompt is at most
-    # this (about one engine chunk: each stream beside it stalls once), else queue remotely
+    # auto, a prompt spilled to the decode replica: above this many uncached tokens it
+    # prefills in the background, yielding to the streams there (`yield_to_decode`); at
+    # most this (about one engine chunk: each stream beside it stalls once) it runs at once
     max_local_prefill_tokens_while_decoding: int = Field(default=512, ge=0)
     allow_client_override: bool = True
     deadline_s: float | None = Field(default=None, gt=0)  # per-request deadline (reliability)

@@ -67,18 +67,21 @@ def measure(url: str, app_name: str, num_samples: int = 30, prompt_len: int = 64
 
     handle = serve.get_deployment_handle(deployment, app_name=app_name)
     rng = random.Random(seed)
-    via_router, direct = [], []
+    via_router, direct, pairs = [], [], []
     with httpx.Client(timeout=60) as http:
         for i in range(num_warmup + num_samples):
             if i == num_warmup:
                 before = router_ttft_sum_count(http, url)
             pair = [("router", lambda: http_ttft_s(http, url, _prompt(rng, prompt_len), max_tokens)),
                     ("direct", lambda: handle_ttft_s(handle, _prompt(rng, prompt_len), max_tokens))]
+            values = {}
             for name, call in pair if i % 2 else reversed(pair):
-                value = call()
-                if i >= num_warmup:
-                    (via_router if name == "router" else direct).append(value)
+                values[name] = call()
                 time.sleep(0.05)
+            if i >= num_warmup:
+                via_router.append(values["router"])
+                direct.append(values["direct"])
+                pairs.append(values["router"] - values["direct"])
         after = router_ttft_sum_count(http, url)
     router_p50, direct_p50 = _ms(statistics.median(via_router)), _ms(statistics.median(direct))
     return {"num_samples": num_samples, "prompt_len": prompt_len, "max_tokens": max_tokens,
@@ -87,7 +90,9 @@ def measure(url: str, app_name: str, num_samples: int = 30, prompt_len: int = 64
             # the router's own TTFT (its arrival -> first chunk; mean, from /metrics): the
             # rest of the client's TTFT is the HTTP proxy and the client's own HTTP
             "router_side_ttft_mean_ms": _mean_ms(before, after),
-            "router_overhead_ttft_p50_ms": round(router_p50 - direct_p50, 3)}
+            "router_overhead_ttft_p50_ms": round(router_p50 - direct_p50, 3),
+            # the same, from back-to-back pairs (less sensitive to the machine's drift)
+            "router_overhead_paired_p50_ms": _ms(statistics.median(pairs))}
 
 
 def router_ttft_sum_count(http: httpx.Client, url: str) -> tuple[float, float]:

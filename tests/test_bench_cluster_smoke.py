@@ -89,4 +89,5 @@ def test_bench_cluster_quick_prints_json(tmp_path):
         assert cpu["colocated:DecodeWorker#1"] > 0 and cpu["colocated:DecodeWorker#2"] > 0, cpu
     overhead = report["router_overhead"]
     assert overhead["router_ttft_p50_ms"] > 0 and overhead["direct_ttft_p50_ms"] > 0
+    assert isinstance(overhead["router_overhead_paired_p50_ms"], float)
     assert report["run_time_s"] > 0 and report["machine"]["cores"] >= 1

@@ -30,7 +30,10 @@ def cluster_url(ray_cluster, tiny_model_dir):
         "decode": {"num_replicas": 2, "num_cpus": 0.25},
         "router": {"num_cpus": 0.25, "heartbeat_timeout_s": 1.0, "prefill_timeout_s": 5.0},
         "transport": {"backend": "zmq", "host": "127.0.0.1"},
-        "workloads": {"default": {"mode": "auto", "min_remote_prefill_tokens": 32}},
+        "workloads": {"default": {"mode": "auto", "min_remote_prefill_tokens": 32},
+                      # every long prompt spills to a decode replica, in the background
+                      "spill": {"mode": "auto", "min_remote_prefill_tokens": 32, "max_prefill_queue": 0,
+                                "max_local_prefill_tokens_while_decoding": 0}},
     }
     serve.run(build_app(args), name=APP, route_prefix="/")
     url = f"http://127.0.0.1:{ray_cluster['http_port']}"
@@ -137,6 +140,34 @@ def test_prefix_affinity_keeps_a_shared_prefix_on_one_replica(cluster_url):
     # All five went to one replica: the four after the first hit the 96-token prefix there.
     assert max(hits.values()) >= 4 * len(prefix), hits
     assert sorted(hits.values())[0] == 0, hits
+
+
+def _background_prefills(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[-1]) for line in text.splitlines()
+               if line.startswith("pdc_background_prefills_total"))
+
+
+def test_a_spilled_prompt_prefills_in_the_background_token_identically(cluster_url, tiny_model_dir):
+    """`auto` spills a long prompt to a decode replica (prefill-busy), where the engine
+    runs it as a background prefill (yield_to_decode); the tokens do not change."""
+    from workers.engine.llm_engine import LLMEngine
+    from workers.engine.sampling_params import SamplingParams
+
+    prompt = [32 + (i * 37) % 200 for i in range(70)]  # in no replica's prefix cache yet
+    offline = LLMEngine(str(tiny_model_dir), device="cpu", num_kv_blocks=64)
+    expected = offline.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))[0].token_ids
+    before = _background_prefills(cluster_url)
+    r = httpx.post(f"{cluster_url}/v1/completions", headers={"x-workload": "spill"}, timeout=60,
+                   json={"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                         "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    assert (r.headers["x-pd-route"], r.headers["x-pd-reason"]) == ("local", "prefill-busy")
+    assert r.json()["choices"][0]["token_ids"] == expected
+    deadline = time.time() + 10  # the counter reaches /metrics with the next heartbeat
+    while _background_prefills(cluster_url) < before + 1 and time.time() < deadline:
+        time.sleep(0.2)
+    assert _background_prefills(cluster_url) >= before + 1
 
 
 def test_metrics_show_interface_names(cluster_url):

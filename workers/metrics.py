@@ -31,6 +31,9 @@ class WorkerMetrics:
             "pdc_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", ["model"], registry=r)
         self.prefix_hits = Counter(
             "pdc_prefix_cache_hits", "Prompt tokens found in the prefix cache", ["model"], registry=r)
+        self.background_requests = Counter(
+            "pdc_background_prefills", "Requests prefilled in the background (prompts `auto` spilled "
+            "onto a decode replica, yielding to its streams)", ["model"], registry=r)
         names = ("model", "pool", "replica")
         self.blocks_free = Gauge("pdc_kv_blocks_free", "Free KV blocks", names, registry=r)
         self.blocks_total = Gauge("pdc_kv_blocks_total", "All KV blocks", names, registry=r)
@@ -47,6 +50,7 @@ class WorkerMetrics:
         """Copy engine stats into the gauges and counters."""
         self._mirror(self.prefix_queries, stats, "prefix_cache_queries")
         self._mirror(self.prefix_hits, stats, "prefix_cache_hits")
+        self._mirror(self.background_requests, stats, "num_background_requests")
         labels = self._gauge_labels
         self.blocks_free.labels(**labels).set(stats.get("kv_blocks_free", 0))
         self.blocks_total.labels(**labels).set(stats.get("kv_blocks_total", 0))

@@ -47,6 +47,7 @@ class LLMEngine:
         self.detokenize = detokenize
         self.step_records: deque[StepRecord] = deque(maxlen=max_step_records)
         self.step_cost = StepCostModel()
+        self.num_background_requests = 0  # added with `yield_to_decode` (spilled prompts)
         self.requests: dict[str, Sequence] = {}  # unfinished, by request id
         self.reservations: dict[str, Sequence] = {}  # KV imports in flight, by transfer id
         self._pending: list[RequestOutput] = []  # ends decided outside step(), reported by the next one
@@ -75,6 +76,7 @@ class LLMEngine:
             seq.kv_sink = kv_sink
             self.scheduler.add(seq)
             self.requests[request_id] = seq
+            self.num_background_requests += params.yield_to_decode
 
     def _new_sequence(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
                       seed: int | None) -> Sequence:
@@ -268,6 +270,7 @@ class LLMEngine:
             "prefix_cache_queries": self.block_manager.num_queried_tokens,
             "prefix_cache_hits": self.block_manager.num_hit_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_background_requests": self.num_background_requests,
             "kv_blocks_free": self.block_manager.num_free_blocks,
             "kv_blocks_total": self.block_manager.num_blocks,
             "num_running": len(self.scheduler.running),
