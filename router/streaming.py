@@ -16,22 +16,34 @@ log = logging.getLogger("pdcluster.router")
 
 
 class Timing:
-    """TTFT, ITL and E2E of one request, as the router saw them."""
+    """TTFT, ITL and E2E of one request, as the router saw them.
+
+    `content()` stamps a chunk's arrival; `record()` turns the stamps into observations.
+    A stream calls `record()` after it has handed the chunk on, so the metrics (a
+    Prometheus and a Ray histogram each) never delay a token on its way to the client."""
 
     def __init__(self, router_metrics: metrics.RouterMetrics, route: str, workload: str, arrival: float) -> None:
         self.metrics, self.route, self.workload = router_metrics, route, workload
         self.arrival = arrival
         self.last: float | None = None
+        self._pending: list[tuple[bool, float]] = []  # (is the first token, seconds)
 
     def content(self) -> None:
         now = time.perf_counter()
-        if self.last is None:
-            self.metrics.observe_ttft(self.route, self.workload, now - self.arrival)
-        else:
-            self.metrics.observe_itl(self.route, self.workload, now - self.last)
+        first = self.last is None
+        self._pending.append((first, now - (self.arrival if first else self.last)))
         self.last = now
 
+    def record(self) -> None:
+        for first, seconds in self._pending:
+            if first:
+                self.metrics.observe_ttft(self.route, self.workload, seconds)
+            else:
+                self.metrics.observe_itl(self.route, self.workload, seconds)
+        self._pending.clear()
+
     def finish(self) -> None:
+        self.record()
         self.metrics.observe_e2e(self.route, self.workload, (self.last or time.perf_counter()) - self.arrival)
 
 
@@ -61,6 +73,7 @@ async def stream_sse(call: dispatch.Call, shape: ResponseShape, prompt_ids: list
             if chunk.text or finish or (shape.return_token_ids and chunk.token_ids):
                 yield sse.event(shape.chunk(chunk.text, chunk.token_ids, finish, prompt_ids_once))
                 prompt_ids_once = None
+            timing.record()  # after the event went out
         ok = True
     except Exception as e:  # noqa: BLE001 - the stream started: report in-band
         log.warning("request %s failed mid-stream: %r", shape.request_id, e)

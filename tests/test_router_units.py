@@ -320,3 +320,32 @@ def test_sse_usage_chunk_then_done():
     assert frames[-1] == "[DONE]"
     assert json.loads(frames[-2])["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
     assert json.loads(frames[-3])["choices"][0]["finish_reason"] == "length"
+
+
+def _count(m: metrics.RouterMetrics, name: str) -> float:
+    return sum(s[2] for f in metrics.snapshot(m.registry) for s in f["samples"] if s[0] == f"{name}_count")
+
+
+def test_timing_records_only_after_the_chunk_went_out():
+    """The TTFT/ITL observations (Prometheus and Ray) run after the event is yielded, so
+    they never delay a token; the stamps are taken when the chunk arrived."""
+    import time
+
+    from router import streaming
+
+    m = metrics.RouterMetrics("tiny")
+    arrival = time.perf_counter() - 0.5
+    timing = streaming.Timing(m, "local", "default", arrival)
+    timing.content()
+    stamped = time.perf_counter()
+    assert _count(m, "pdc_time_to_first_token_seconds") == 0  # stamped, not yet recorded
+    time.sleep(0.05)
+    timing.record()
+    assert _count(m, "pdc_time_to_first_token_seconds") == 1
+    ttft_sum = sum(s[2] for f in metrics.snapshot(m.registry) for s in f["samples"]
+                   if s[0] == "pdc_time_to_first_token_seconds_sum")
+    assert 0.5 <= ttft_sum <= stamped - arrival  # the chunk's arrival, not the recording time
+    timing.content()
+    timing.finish()  # records what is pending, then E2E
+    assert _count(m, "pdc_inter_token_latency_seconds") == 1
+    assert _count(m, "pdc_e2e_request_latency_seconds") == 1
