@@ -19,13 +19,9 @@ import xxhash
 
 from transport.base import TransferCorrupt
 from transport.wire import INLINE, Header, payload_checksum
+from workers.engine.kv_cache import memmove_hashed, tensor_bytes
 
 Reply = Callable[[Header], None]  # send a control message back to the peer
-
-
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """A zero-copy byte view of a contiguous CPU tensor (any dtype, bf16 included)."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 def _byte_size(dst: torch.Tensor, src: torch.Tensor) -> int:
@@ -47,16 +43,13 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     ctypes.memmove(dst.data_ptr(), src.data_ptr(), _byte_size(dst, src))
 
 
-def copy_and_checksum(dst: torch.Tensor, src: torch.Tensor, chunk: int = 512 << 10) -> int:
-    """`copy_bytes`, returning the `payload_checksum` of the bytes. Each chunk is hashed
+def copy_and_checksum(dst: torch.Tensor, src: torch.Tensor, chunk: int | None = None) -> int:
+    """`copy_bytes`, returning the `payload_checksum` of the bytes. Each piece is hashed
     right after it is copied, while it is still in cache, rather than re-read from memory
-    in a second pass."""
-    nbytes = _byte_size(dst, src)
-    digest, out = xxhash.xxh3_64(), tensor_bytes(dst)
-    for start in range(0, nbytes, chunk):
-        size = min(chunk, nbytes - start)
-        ctypes.memmove(dst.data_ptr() + start, src.data_ptr() + start, size)
-        digest.update(out[start:start + size])
+    in a second pass (the receiver's `copy_into_blocks` does the same)."""
+    digest = xxhash.xxh3_64()
+    memmove_hashed(dst.data_ptr(), 0, src.data_ptr(), _byte_size(dst, src), tensor_bytes(dst), digest,
+                   chunk)
     return digest.intdigest()
 
 

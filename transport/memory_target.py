@@ -10,7 +10,7 @@ import threading
 
 import torch
 
-from workers.engine.kv_cache import copy_into_blocks
+from workers.engine.kv_cache import copy_into_blocks, tensor_bytes
 from workers.engine.kv_types import ByteDigest, KVLayout, KVReservation
 
 
@@ -65,7 +65,7 @@ class MemoryTarget:
         if self.allocate:
             copy_into_blocks(self.layers[layer_idx], res.block_ids[res.num_cached_blocks:], kv, digest)
         elif digest is not None:
-            digest.update(memoryview(kv.contiguous().reshape(-1).view(torch.uint8).numpy()))
+            digest.update(tensor_bytes(kv.contiguous()))
         res.layers_written.add(layer_idx)
         with self._lock:
             self.write_log.append((res.transfer_id, layer_idx))

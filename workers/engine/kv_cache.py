@@ -136,31 +136,35 @@ def copy_into_blocks(layer: torch.Tensor, block_ids: list[int], kv: torch.Tensor
                  and layer.is_contiguous() and kv.is_contiguous())
     if not cpu_bytes:
         if digest is not None:
-            digest.update(_byte_view(kv.detach().cpu().contiguous()))
+            digest.update(tensor_bytes(kv.detach().cpu().contiguous()))
         index = torch.tensor(block_ids, dtype=torch.long, device=layer.device)
         layer.index_copy_(1, index, kv.to(device=layer.device, dtype=layer.dtype))
         return
     row = layer[0, 0].numel() * layer.element_size()  # bytes of one block's K (or V)
     layer_half, kv_half = layer[0].numel() * layer.element_size(), kv[0].numel() * kv.element_size()
-    written = _byte_view(layer) if digest is not None else None
+    written = tensor_bytes(layer) if digest is not None else None
     runs = block_runs(block_ids)
     for half in range(2):
         for dst, src, n in runs:
-            _copy(layer.data_ptr(), half * layer_half + dst * row,
-                  kv.data_ptr() + half * kv_half + src * row, n * row, written, digest)
+            memmove_hashed(layer.data_ptr(), half * layer_half + dst * row,
+                           kv.data_ptr() + half * kv_half + src * row, n * row, written, digest)
 
 
-def _copy(base: int, offset: int, src: int, nbytes: int, written: memoryview | None,
-          digest: ByteDigest | None) -> None:
+def memmove_hashed(base: int, offset: int, src: int, nbytes: int, written: memoryview | None,
+                   digest: ByteDigest | None, chunk: int | None = None) -> None:
+    """memmove `nbytes` from address `src` to `base + offset`; with a `digest`, in pieces
+    of `chunk` (default `DIGEST_CHUNK_BYTES`), each fed to it from `written` (a byte view
+    starting at `base`) right after it lands, while it is still in cache."""
     if digest is None or written is None:
         ctypes.memmove(base + offset, src, nbytes)
         return
-    for start in range(0, nbytes, DIGEST_CHUNK_BYTES):
-        size = min(DIGEST_CHUNK_BYTES, nbytes - start)
+    chunk = chunk or DIGEST_CHUNK_BYTES
+    for start in range(0, nbytes, chunk):
+        size = min(chunk, nbytes - start)
         ctypes.memmove(base + offset + start, src + start, size)
         digest.update(written[offset + start: offset + start + size])
 
 
-def _byte_view(t: torch.Tensor) -> memoryview:
-    """A zero-copy byte view of a contiguous CPU tensor."""
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous CPU tensor (any dtype, bf16 included)."""
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
