@@ -119,7 +119,6 @@ class ClusterView:
             forced_mode=forced_mode, num_healthy_prefill=len(prefills),
             prefill_queue_len=self.load(prefill) if prefill else 0,
             decode_has_room=self._has_room(decode, len(prompt_ids) + max_tokens, hit_blocks),
-            decode_num_requests=self.load(decode),
             prefill_backlog_tokens=self.backlog[prefill.replica_id] if prefill else 0,
             decode_backlog_tokens=self.backlog[decode.replica_id], decode_num_streams=self.num_streams(decode),
             prefill_stats=dict(prefill.stats) if prefill else {}, decode_stats=dict(decode.stats))

@@ -38,9 +38,6 @@ class RouteContext:
     num_healthy_prefill: int = 0
     prefill_queue_len: int = 0  # of the least-loaded healthy prefill replica
     decode_has_room: bool = True  # the decode replica can hold this request's KV now
-    # requests the decode replica runs or is about to (its reported running + waiting, or
-    # what this router has in flight there, remote prefills included)
-    decode_num_requests: int = 0
     # Prompt tokens this router has waiting for a first token on the least-loaded prefill
     # replica / on the chosen decode replica (what a prefill there queues behind), and the
     # requests past their first token on the decode replica (the streams it decodes now).
