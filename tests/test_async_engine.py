@@ -111,7 +111,10 @@ class _DirectSink:
         self.first_token_id: int | None = None
         self.done = threading.Event()
 
-    def on_layer(self, layer_idx, kv):
+    def new_digest(self):
+        return None
+
+    def on_layer(self, layer_idx, kv, checksum=None):
         t = threading.Thread(target=self.target.write_kv_layer, args=(self.reservation, layer_idx, kv))
         t.start()
         t.join()

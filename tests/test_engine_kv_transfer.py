@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 
 import torch
+import xxhash
 
 from tests.engine_support import greedy, make_engine_fixture, random_prompts  # noqa: F401
 from workers.engine import SamplingParams
@@ -20,10 +21,15 @@ class CollectingSink:
         self.first_token_id: int | None = None
         self.abort_reason: str | None = None
         self.events: list[str] = []
+        self.checksums: dict[int, int | None] = {}
 
-    def on_layer(self, layer_idx: int, kv: torch.Tensor) -> None:
+    def new_digest(self):
+        return xxhash.xxh3_64()
+
+    def on_layer(self, layer_idx: int, kv: torch.Tensor, checksum: int | None = None) -> None:
         assert layer_idx not in self.layers, "a layer was sent twice"
         self.layers[layer_idx] = kv
+        self.checksums[layer_idx] = checksum
         self.events.append(f"layer{layer_idx}")
 
     def on_complete(self, first_token_id: int) -> None:
@@ -68,6 +74,9 @@ def check_transfer(make_engine, prompt, params, seed=1234):
     num_blocks = -(-len(prompt) // layout.block_size)  # includes the block with the last prompt token
     assert all(tuple(kv.shape) == layout.layer_shape(num_blocks) for kv in sink.layers.values())
     assert sink.first_token_id == local[0]
+    # the checksum made during the export copy is the one of the bytes handed over
+    assert all(sink.checksums[i] == xxhash.xxh3_64(kv.reshape(-1).view(torch.uint8).numpy()).intdigest()
+               for i, kv in sink.layers.items())
 
     reservation = import_kv(decode, "t1", prompt, sink)
     assert reservation.layout == layout and reservation.num_cached_blocks == 0

@@ -1,4 +1,6 @@
-"""`copy_into_blocks` (the receive-side copy) must equal `index_copy_` for any block ids."""
+"""`copy_into_blocks` (the receive-side copy) must equal `index_copy_`, and
+`copy_from_blocks` (the export copy) `index_select`, for any block ids; the digest either
+feeds must be the checksum of the payload's bytes in order."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import workers.engine.kv_cache as kv_cache
-from workers.engine.kv_cache import block_runs, copy_into_blocks
+from workers.engine.kv_cache import block_runs, copy_from_blocks, copy_into_blocks
 
 
 @given(st.lists(st.integers(0, 40), unique=True, max_size=24))
@@ -51,6 +53,31 @@ def test_the_digest_sees_the_source_bytes_in_order(block_ids, dtype, chunk, cont
         kv_cache.DIGEST_CHUNK_BYTES = original
     assert digest.intdigest() == sent
     assert torch.equal(layer[:, block_ids].view(torch.uint8), kv.contiguous().view(torch.uint8))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 31), unique=True, max_size=20),
+       st.sampled_from([torch.float32, torch.bfloat16]), st.sampled_from([1, 40, 4096, 1 << 20]),
+       st.booleans())
+def test_export_copy_equals_index_select_and_its_digest_the_payload(block_ids, dtype, chunk, hashed):
+    layer = torch.randn(2, 32, 4, 2, 8).to(dtype)
+    expected = layer.index_select(1, torch.tensor(block_ids, dtype=torch.long))
+    digest = xxhash.xxh3_64() if hashed else None
+    original, kv_cache.DIGEST_CHUNK_BYTES = kv_cache.DIGEST_CHUNK_BYTES, chunk
+    try:
+        out = copy_from_blocks(layer, block_ids, digest)
+    finally:
+        kv_cache.DIGEST_CHUNK_BYTES = original
+    assert out.is_contiguous() and out.dtype == dtype
+    assert torch.equal(out.view(torch.uint8), expected.view(torch.uint8))
+    if hashed:
+        assert digest.intdigest() == xxhash.xxh3_64_intdigest(expected.view(torch.uint8).numpy().tobytes())
+
+
+@pytest.mark.parametrize("block_ids", [[0, 32], [-1]])
+def test_copy_from_blocks_refuses_ids_outside_the_pool(block_ids):
+    with pytest.raises(ValueError):
+        copy_from_blocks(torch.zeros(2, 32, 4, 2, 8), block_ids)
 
 
 @pytest.mark.parametrize("block_ids, shape", [

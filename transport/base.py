@@ -25,8 +25,15 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import ClassVar, Protocol
 
 import torch
+import xxhash
 
 from workers.engine.kv_types import ByteDigest, KVLayout, KVReservation
+
+
+def new_payload_digest() -> ByteDigest:
+    """The payload checksum every path uses: xxh3-64, fast (~25 GB/s here) and
+    non-cryptographic; its integrity comes from the MAC over the header that carries it."""
+    return xxhash.xxh3_64()
 
 
 class TransferError(Exception):
@@ -186,8 +193,13 @@ class SenderSink(ABC):
         self.start_block = start_block
         self.result: Future[None] = Future()
 
+    def new_digest(self) -> ByteDigest | None:
+        """The payload checksum's digest (`wire.payload_checksum`), for the engine to feed
+        while it exports a layer, so the sender does not read the layer a second time."""
+        return new_payload_digest()
+
     @abstractmethod
-    def on_layer(self, layer_idx: int, kv: torch.Tensor) -> None: ...
+    def on_layer(self, layer_idx: int, kv: torch.Tensor, checksum: int | None = None) -> None: ...
 
     @abstractmethod
     def on_complete(self, first_token_id: int) -> None: ...

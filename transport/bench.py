@@ -10,6 +10,11 @@ preallocated buffer (the loopback limit), Ray's object store (`ray.put` in one a
 actor-call overhead is excluded) across two raylets (`ray_object_store`: the bytes cross
 TCP, as zmq's do) and within one (`ray_object_store_same_node`: shared memory, as shm's
 do), and a single in-process memcpy.
+
+The layers are handed over as the prefill engine hands them: copied out of its blocks
+with their payload checksum made during that copy (`copy_from_blocks`), prefill's work
+before a layer's first byte is sent, so not in a transfer's time. `export` reports what
+that copy costs with and without the checksum, and the checksum alone.
 """
 
 from __future__ import annotations
@@ -24,10 +29,13 @@ from collections.abc import Iterator
 
 import torch
 
+from transport.base import new_payload_digest
 from transport.bench_ray import time_ray
 from transport.config import TransportConfig
 from transport.datapath import copy_bytes
 from transport.memory_target import MemoryTarget, synthetic_layers
+from transport.wire import payload_checksum
+from workers.engine.kv_cache import copy_from_blocks, tensor_bytes
 from workers.engine.kv_types import KVLayout
 
 MIB = 1 << 20
@@ -97,23 +105,52 @@ class ReceiverProcess:
 
 # -- transport backends ------------------------------------------------------------------------
 
-def transport_timer(rx: ReceiverProcess, backend: str, layout: KVLayout, layers: list,
-                    curve: bool = False) -> Iterator[float]:
+def exported_layers(layout: KVLayout, num_blocks: int, seed: int = 0) -> list[tuple[torch.Tensor, int]]:
+    """`(kv, checksum)` per layer, as the prefill engine's export copy makes them."""
+    out = []
+    for pool in synthetic_layers(layout, num_blocks, seed):
+        digest = new_payload_digest()
+        out.append((copy_from_blocks(pool, list(range(num_blocks)), digest), digest.intdigest()))
+    return out
+
+
+def export_cost(layout: KVLayout, num_blocks: int, repeats: int) -> dict:
+    """ms to export every layer of `num_blocks` (the prefill side, outside a transfer's
+    time): the copy alone, the copy feeding the checksum, and the checksum on its own."""
+    pools, ids = synthetic_layers(layout, num_blocks, 1), list(range(num_blocks))
+
+    def ms(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for pool in pools:
+                fn(pool)
+            times.append(time.perf_counter() - t0)
+        return round(statistics.median(times) * 1000, 3)
+
+    return {"bytes": sum(p.numel() * p.element_size() for p in pools),
+            "copy_ms": ms(lambda p: copy_from_blocks(p, ids)),
+            "copy_and_checksum_ms": ms(lambda p: copy_from_blocks(p, ids, new_payload_digest())),
+            "checksum_only_ms": ms(lambda p: payload_checksum(tensor_bytes(p)))}
+
+
+def transport_timer(rx: ReceiverProcess, backend: str, layout: KVLayout,
+                    layers: list[tuple[torch.Tensor, int]], curve: bool = False) -> Iterator[float]:
     """Seconds of one more transfer of `layers`, per `next()`; an untimed first transfer
     warms connections and buffers."""
     from transport.factory import make_sender
 
     address = rx.call("start", backend, curve)
     sender = make_sender(_config(backend, curve))
-    num_blocks = layers[0].shape[1]
+    num_blocks = layers[0][0].shape[1]
     try:
         for i in itertools.count():
             tid = f"bench-{backend}-{curve}-{num_blocks}-{i}"
             rx.call("expect", (backend, curve), tid, num_blocks)
             t0 = time.perf_counter()
             sink = sender.open(tid, address, layout)
-            for layer_idx, kv in enumerate(layers):
-                sink.on_layer(layer_idx, kv)
+            for layer_idx, (kv, checksum) in enumerate(layers):
+                sink.on_layer(layer_idx, kv, checksum)
             sink.on_complete(0)
             sink.wait(120)
             if i:
@@ -124,7 +161,7 @@ def transport_timer(rx: ReceiverProcess, backend: str, layout: KVLayout, layers:
 
 def time_transport(rx: ReceiverProcess, backend: str, layout: KVLayout, num_blocks: int,
                    repeats: int, curve: bool = False) -> list[float]:
-    layers = synthetic_layers(layout, num_blocks, 0)
+    layers = exported_layers(layout, num_blocks)
     return interleaved({backend: transport_timer(rx, backend, layout, layers, curve)},
                        repeats)[backend]
 
@@ -218,7 +255,7 @@ def run(sizes_mib: list[int], repeats: int, with_ray: bool = True, with_curve: b
             nbytes, num_blocks = mib * MIB, mib * MIB // block_bytes
             reps = max(1, repeats if mib < 256 else (repeats + 1) // 2)
             log(f"{mib} MiB ({reps} interleaved repeats)")
-            layers = synthetic_layers(layout, num_blocks, 0)
+            layers = exported_layers(layout, num_blocks)
             timers = {backend: transport_timer(rx, backend, layout, layers)
                       for backend in ("zmq", "nccl", "shm")}
             if with_curve and mib <= 64:
@@ -235,6 +272,9 @@ def run(sizes_mib: list[int], repeats: int, with_ray: bool = True, with_curve: b
             for nbytes, times in time_ray([m * MIB for m in sizes_mib], repeats, cross_node).items():
                 add(name, nbytes, times)
     out = {"results": results, "ratios": _ratios(results, sizes_mib)}
+    export_mib = 64 if 64 in sizes_mib else max(sizes_mib)
+    out["export"] = export_cost(layout, export_mib * MIB // block_bytes, repeats)
+    log(f"export of {export_mib} MiB (prefill side): {out['export']}")
     if with_overlap:
         out["overlap"] = measure_overlap()
     return out
@@ -330,8 +370,11 @@ class _TimedSink:
         self._acked: list[float] = []
         inner.result.add_done_callback(lambda f: self._acked.append(time.perf_counter()))
 
-    def on_layer(self, layer_idx: int, kv: torch.Tensor) -> None:
-        self.inner.on_layer(layer_idx, kv)
+    def new_digest(self):
+        return self.inner.new_digest()
+
+    def on_layer(self, layer_idx: int, kv: torch.Tensor, checksum: int | None = None) -> None:
+        self.inner.on_layer(layer_idx, kv, checksum)
 
     def on_complete(self, first_token_id: int) -> None:
         self.inner.on_complete(first_token_id)

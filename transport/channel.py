@@ -8,6 +8,7 @@ replies, enforces each transfer's deadline, and fails every open transfer with
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -78,9 +79,9 @@ class ChannelSink(SenderSink):
         self.nbytes = 0
         self._channel = channel
 
-    def on_layer(self, layer_idx: int, kv: torch.Tensor) -> None:
+    def on_layer(self, layer_idx: int, kv: torch.Tensor, checksum: int | None = None) -> None:
         if not self.done:
-            self._channel.submit(self, LAYER, (layer_idx, kv))
+            self._channel.submit(self, LAYER, (layer_idx, kv, checksum))
 
     def on_complete(self, first_token_id: int) -> None:
         if not self.done:
@@ -157,8 +158,9 @@ class PeerChannel(threading.Thread):
         finally:
             self.broken = True
             self._drain_outbox_failing()
-            sock.disable_monitor()
-            monitor.close(0)
+            with contextlib.suppress(zmq.ZMQError):  # the context may be terminating already
+                sock.disable_monitor()
+            monitor.close(0)  # every socket closes, or the sender's Context.term() never returns
             sock.close(0)
             self.path.close()
             self._waker.close()
@@ -221,7 +223,7 @@ class PeerChannel(threading.Thread):
             self._fail_all(PeerGone(f"data path to {self.address.endpoint} broke"))
 
     def _send_layer(self, sock: zmq.Socket, sink: ChannelSink, layer_idx: int,
-                    kv: torch.Tensor) -> None:
+                    kv: torch.Tensor, checksum: int | None) -> None:
         if not self._hello_sent:
             hello = self.path.hello()
             if hello is not None:
@@ -233,7 +235,7 @@ class PeerChannel(threading.Thread):
                         fingerprint=sink.fingerprint, nbytes=kv.numel() * kv.element_size(),
                         data_path=self.path.name)
         header.seq = sink.next_seq
-        frames = self.path.payload(header, kv)
+        frames = self.path.payload(header, kv, checksum)
         sock.send_multipart(self.codec.seal(header) + frames, copy=False)
         sink.next_seq += 1
         sink.nbytes += header.nbytes

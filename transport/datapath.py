@@ -15,9 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import xxhash
 
-from transport.base import TransferCorrupt
+from transport.base import TransferCorrupt, new_payload_digest
 from transport.wire import INLINE, Header, payload_checksum
 from workers.engine.kv_cache import memmove_hashed, tensor_bytes
 
@@ -47,7 +46,7 @@ def copy_and_checksum(dst: torch.Tensor, src: torch.Tensor, chunk: int | None = 
     """`copy_bytes`, returning the `payload_checksum` of the bytes. Each piece is hashed
     right after it is copied, while it is still in cache, rather than re-read from memory
     in a second pass (the receiver's `copy_into_blocks` does the same)."""
-    digest = xxhash.xxh3_64()
+    digest = new_payload_digest()
     memmove_hashed(dst.data_ptr(), 0, src.data_ptr(), _byte_size(dst, src), tensor_bytes(dst), digest,
                    chunk)
     return digest.intdigest()
@@ -71,8 +70,9 @@ class SendPath(ABC):
         return None
 
     @abstractmethod
-    def payload(self, header: Header, kv: torch.Tensor) -> list:
-        """Fill `header.checksum`/`extra`; return frames to send after the header."""
+    def payload(self, header: Header, kv: torch.Tensor, checksum: int | None = None) -> list:
+        """Fill `header.checksum`/`extra`; return frames to send after the header.
+        `checksum` is the payload's, when the engine made it while exporting the layer."""
 
     def after_send(self, header: Header, kv: torch.Tensor) -> None:  # noqa: B027 - optional hook
         """Runs once the header is queued (out-of-band sends happen here)."""
@@ -125,9 +125,9 @@ class RecvPath(ABC):
 class InlineSendPath(SendPath):
     name = INLINE
 
-    def payload(self, header: Header, kv: torch.Tensor) -> list:
+    def payload(self, header: Header, kv: torch.Tensor, checksum: int | None = None) -> list:
         data = tensor_bytes(kv.detach().cpu().contiguous())
-        header.checksum = payload_checksum(data)
+        header.checksum = payload_checksum(data) if checksum is None else checksum
         return [data]
 
 

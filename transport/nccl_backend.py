@@ -72,8 +72,11 @@ class PgSendPath(SendPath):
         except Exception as exc:  # noqa: BLE001 - reported to the next send
             self._group.set_exception(exc)
 
-    def payload(self, header: Header, kv: torch.Tensor) -> list:
-        header.checksum = 0 if kv.is_cuda else payload_checksum(tensor_bytes(kv.contiguous()))
+    def payload(self, header: Header, kv: torch.Tensor, checksum: int | None = None) -> list:
+        if kv.is_cuda:
+            header.checksum = 0
+        else:
+            header.checksum = payload_checksum(tensor_bytes(kv.contiguous())) if checksum is None else checksum
         return []
 
     def after_send(self, header: Header, kv: torch.Tensor) -> None:

@@ -29,6 +29,7 @@ from transport.datapath import (
     Reply,
     SendPath,
     copy_and_checksum,
+    copy_bytes,
     tensor_bytes,
     tensor_from_bytes,
 )
@@ -102,14 +103,18 @@ class ShmSendPath(SendPath):
         _sweep_once()
         self._inline = InlineSendPath()
 
-    def payload(self, header: Header, kv: torch.Tensor) -> list:
+    def payload(self, header: Header, kv: torch.Tensor, checksum: int | None = None) -> list:
         slot = self._acquire(header.nbytes)
         if slot is None:  # pool full: do not block the channel, send this one inline
             header.data_path = self._inline.name
-            return self._inline.payload(header, kv)
+            return self._inline.payload(header, kv, checksum)
         slot.transfer_id = header.transfer_id
-        dst = slot.data[: header.nbytes]
-        header.checksum = copy_and_checksum(dst, kv.detach().cpu().contiguous())
+        dst, src = slot.data[: header.nbytes], kv.detach().cpu().contiguous()
+        if checksum is None:
+            header.checksum = copy_and_checksum(dst, src)
+        else:
+            copy_bytes(dst, src)
+            header.checksum = checksum
         header.extra = {"file": slot.name, "size": slot.size}
         return []
 

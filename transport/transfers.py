@@ -15,7 +15,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
-import xxhash
 
 from transport.base import (
     KVReceiver,
@@ -25,6 +24,7 @@ from transport.base import (
     TransferError,
     TransferRejected,
     TransferTimeout,
+    new_payload_digest,
 )
 from transport.metrics import TransportMetrics
 from transport.wire import Header
@@ -167,7 +167,7 @@ class TransferTable:
         with t.lock:
             if t.future.done():
                 raise TransferRejected(f"{tid!r} already failed", "late", tid)
-            digest = xxhash.xxh3_64() if checksum is not None else None
+            digest = new_payload_digest() if checksum is not None else None
             for i in range(kv.shape[0]):
                 self.target.write_kv_layer(t.reservation, header.layer_start + i, kv[i], digest)
             if digest is not None and digest.intdigest() != checksum:

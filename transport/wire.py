@@ -14,9 +14,8 @@ import hmac
 from dataclasses import dataclass, field, fields
 
 import msgpack
-import xxhash
 
-from transport.base import TransferAuthError, TransferCorrupt, TransferRejected
+from transport.base import TransferAuthError, TransferCorrupt, TransferRejected, new_payload_digest
 
 PROTOCOL_VERSION = 1
 MAC_LEN = 32
@@ -74,8 +73,8 @@ class WireLimits:
 
 
 def payload_checksum(*buffers: memoryview | bytes) -> int:
-    """Fast (~10 GB/s) non-cryptographic checksum; its integrity comes from the MAC."""
-    h = xxhash.xxh3_64()
+    """`new_payload_digest()` of the bytes, in one pass."""
+    h = new_payload_digest()
     for buf in buffers:
         h.update(buf)
     return h.intdigest()

@@ -83,6 +83,15 @@ def write_kv(meta: AttentionMetadata, layer_idx: int, key: torch.Tensor, value: 
     slots[1].index_copy_(0, meta.slot_mapping, value.to(slots.dtype))
 
 
+def export_layer(kv_cache: KVCache, layer_idx: int, export: KVExport) -> None:
+    """Hand one layer of a request's blocks to its sink, with the payload checksum made
+    during the copy when the sink wants one and the cache is in host memory."""
+    on_cpu = kv_cache.layers[layer_idx].device.type == "cpu"
+    digest = export.sink.new_digest() if on_cpu else None
+    kv = kv_cache.read_blocks(layer_idx, export.block_ids, digest)
+    export.sink.on_layer(layer_idx, kv, None if digest is None else digest.intdigest())
+
+
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                             value: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float,
                             dropout: float = 0.0, attn_metadata: AttentionMetadata | None = None,
@@ -94,7 +103,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     out = meta.backend.forward(layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1),
                                value[0].transpose(0, 1), meta, scaling)
     for export in meta.exports:  # this layer is in the cache now: let the transport stream it
-        export.sink.on_layer(layer_idx, meta.kv_cache.read_blocks(layer_idx, export.block_ids))
+        export_layer(meta.kv_cache, layer_idx, export)
     return out.unsqueeze(0), None
 
 

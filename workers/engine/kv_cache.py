@@ -93,10 +93,11 @@ class KVCache:
         kv = self.layers[layer_idx]
         return kv.view(2, -1, *kv.shape[3:])
 
-    def read_blocks(self, layer_idx: int, block_ids: list[int]) -> torch.Tensor:
-        """A fresh contiguous copy of the given blocks: `layout.layer_shape(len(block_ids))`."""
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.layers[layer_idx].device)
-        return self.layers[layer_idx].index_select(1, index)
+    def read_blocks(self, layer_idx: int, block_ids: list[int],
+                    digest: ByteDigest | None = None) -> torch.Tensor:
+        """A fresh contiguous copy of the given blocks: `layout.layer_shape(len(block_ids))`.
+        `digest`, if given, is fed the copy's bytes in order (see `copy_from_blocks`)."""
+        return copy_from_blocks(self.layers[layer_idx], block_ids, digest)
 
     def write_blocks(self, layer_idx: int, block_ids: list[int], kv: torch.Tensor,
                      digest: ByteDigest | None = None) -> None:
@@ -148,6 +149,34 @@ def copy_into_blocks(layer: torch.Tensor, block_ids: list[int], kv: torch.Tensor
         for dst, src, n in runs:
             memmove_hashed(layer.data_ptr(), half * layer_half + dst * row,
                            kv.data_ptr() + half * kv_half + src * row, n * row, written, digest)
+
+
+def copy_from_blocks(layer: torch.Tensor, block_ids: list[int],
+                     digest: ByteDigest | None = None) -> torch.Tensor:
+    """`layer[:, block_ids]` as a fresh contiguous tensor: the mirror of `copy_into_blocks`.
+
+    `digest`, if given, is fed every byte of the result in order, each piece right after
+    it is written (on CPU), so a transport's payload checksum comes with the export copy
+    instead of a second pass over the layer on the sending thread. On GPU no digest is fed
+    (hashing would cost a device-to-host copy; GPU payloads carry no checksum)."""
+    if block_ids and not 0 <= min(block_ids) <= max(block_ids) < layer.shape[1]:
+        raise ValueError(f"block ids outside [0, {layer.shape[1]})")  # a memmove must never overrun
+    if layer.device.type != "cpu" or not layer.is_contiguous():
+        index = torch.tensor(block_ids, dtype=torch.long, device=layer.device)
+        out = layer.index_select(1, index)
+        if digest is not None and out.device.type == "cpu":
+            digest.update(tensor_bytes(out))
+        return out
+    out = torch.empty((2, len(block_ids), *layer.shape[2:]), dtype=layer.dtype)
+    row = layer[0, 0].numel() * layer.element_size()
+    layer_half, out_half = layer[0].numel() * layer.element_size(), out[0].numel() * out.element_size()
+    written = tensor_bytes(out) if digest is not None else None
+    runs = block_runs(block_ids)
+    for half in range(2):
+        for src, dst, n in runs:  # (block in the layer, index in `out`, length)
+            memmove_hashed(out.data_ptr(), half * out_half + dst * row,
+                           layer.data_ptr() + half * layer_half + src * row, n * row, written, digest)
+    return out
 
 
 def memmove_hashed(base: int, offset: int, src: int, nbytes: int, written: memoryview | None,

@@ -56,7 +56,12 @@ class KVSink(Protocol):
 
     start_block: int
 
-    def on_layer(self, layer_idx: int, kv: torch.Tensor) -> None: ...
+    def new_digest(self) -> ByteDigest | None:
+        """A fresh digest of the transport's payload checksum, for the engine to feed a
+        layer's bytes while it copies them out of the blocks; None if the sink wants none."""
+
+    def on_layer(self, layer_idx: int, kv: torch.Tensor, checksum: int | None = None) -> None:
+        """`checksum`: the `new_digest()` result over `kv`'s bytes, when the engine made one."""
 
     def on_complete(self, first_token_id: int) -> None:
         """All layers were handed over; `first_token_id` is the token prefill sampled."""
@@ -66,10 +71,12 @@ class KVSink(Protocol):
 
 
 class ByteDigest(Protocol):
-    """What a received layer's copy feeds its bytes to, in the payload's byte order
-    (an `xxhash.xxh3_64`: the transport verifies its checksum while copying)."""
+    """What a layer's copy into (or out of) the blocks feeds its bytes to, in the payload's
+    byte order (an `xxhash.xxh3_64`: the transport's checksum, made or verified while copying)."""
 
     def update(self, data: memoryview, /) -> None: ...
+
+    def intdigest(self) -> int: ...
 
 
 @dataclass
