@@ -32,7 +32,7 @@ from transport.base import (
 )
 from transport.datapath import SendPath
 from transport.metrics import TransportMetrics
-from transport.wire import ABORT, ACK, DONE, LAYER, NACK, PG, RELEASE, Header, WireCodec
+from transport.wire import ABORT, ACK, DONE, LAYER, NACK, RELEASE, Header, WireCodec
 from workers.engine.kv_types import KVLayout
 
 log = logging.getLogger(__name__)
@@ -276,9 +276,6 @@ class PeerChannel(threading.Thread):
         elif header.kind == NACK:
             self._resolve(sink, error_from_wire(header.error, header.detail, header.reason,
                                                 header.transfer_id))
-            if self.path.name == PG:  # the receiver may not have posted the matching recv
-                self.path.broken = True
-                self._check_path()
 
     def _resolve(self, sink: ChannelSink, error: TransferError | None) -> None:
         self._sinks.pop(sink.transfer_id, None)

@@ -14,6 +14,7 @@ set up through an authenticated handshake.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from concurrent.futures import Future
@@ -97,6 +98,19 @@ class PgSendPath(SendPath):
         self._store = None
 
 
+def _scratch_for(header: Header, max_bytes: int, device: str) -> torch.Tensor:
+    """A flat buffer exactly as big as the payload the header describes, or ValueError."""
+    dtype = getattr(torch, header.dtype, None) if isinstance(header.dtype, str) else None
+    dims = header.shape if isinstance(header.shape, list) else None
+    if not isinstance(dtype, torch.dtype) or not dims or not all(isinstance(d, int) and d >= 0 for d in dims):
+        raise ValueError("the header does not describe its payload")
+    numel = math.prod(dims)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes != header.nbytes or nbytes > max_bytes:
+        raise ValueError(f"payload of {header.nbytes} bytes cannot be received safely")
+    return torch.empty(numel, dtype=dtype, device=device)
+
+
 class PgRecvPath(RecvPath):
     name = PG
     blocking = True
@@ -135,6 +149,24 @@ class PgRecvPath(RecvPath):
             raise PeerGone(f"process-group receive failed: {type(exc).__name__}",
                            "pg_recv", header.transfer_id) from None
         return Received(buf, header.checksum if device == "cpu" else None)
+
+    def discard(self, peer: bytes, header: Header, max_bytes: int) -> None:
+        """Receive a refused layer into scratch memory: the sender posts its send whatever
+        we think of the header, and an unmatched send would hold its channel until the
+        timeout. A payload we cannot receive safely (beyond `max_bytes`, or a header that
+        does not describe it) drops the pair's group instead: the sender's send then fails
+        at its timeout and it sets up a fresh group."""
+        with self._lock:
+            entry = self._groups.get(peer)
+        if entry is None:
+            return
+        pg, device = entry
+        try:
+            buf = _scratch_for(header, max_bytes, device)
+            pg.recv([buf], 0, _TAG).wait(timedelta(seconds=self.timeout_s))
+        except Exception:  # noqa: BLE001 - out of step now: never reuse this group
+            with self._lock:
+                self._groups.pop(peer, None)
 
     def close(self) -> None:
         with self._lock:

@@ -168,13 +168,16 @@ class ZmqReceiver(TableReceiver):
     def handle(self, peer: bytes, header: Header, payload: list) -> None:
         """Process one authenticated message, in per-peer order."""
         t = None
+        payload_in_flight = header.kind == LAYER  # until a data path has taken it
         try:
             if header.kind == HELLO:  # only reaches here on a worker thread
                 self._paths[header.data_path].on_hello(peer, header, self._reply_fn(peer))
                 return
             t = self.table.begin(header, peer)
             if header.kind == LAYER:
-                self._on_layer(peer, header, payload, t)
+                path, shape = self._layer_path(header), self.table.check_layer(t, header)
+                payload_in_flight = False
+                self._on_layer(peer, header, payload, t, path, shape)
             elif header.kind == DONE:
                 self.table.complete(t, header)
                 self.reply(peer, Header(ACK, header.transfer_id))
@@ -184,6 +187,8 @@ class ZmqReceiver(TableReceiver):
             else:
                 raise TransferCorrupt(f"unexpected {header.kind!r} message", "malformed")
         except TransferError as exc:
+            if payload_in_flight:
+                self._drop_payload(peer, header)
             exc.transfer_id = exc.transfer_id or header.transfer_id
             self._reject(peer, exc, fail=t is not None and exc.reason not in _NON_FATAL)
         except Exception as exc:  # noqa: BLE001 - e.g. the target refused the write
@@ -192,17 +197,28 @@ class ZmqReceiver(TableReceiver):
                                   header.transfer_id)
             self._reject(peer, err, fail=t is not None)
 
-    def _on_layer(self, peer: bytes, header: Header, payload: list, t) -> None:
+    def _layer_path(self, header: Header) -> RecvPath:
         path = self._paths.get(header.data_path)
         if path is None:
             raise TransferRejected(f"data path {header.data_path!r} not accepted", "data_path",
                                    header.transfer_id)
-        shape = self.table.check_layer(t, header)
+        return path
+
+    def _on_layer(self, peer: bytes, header: Header, payload: list, t, path: RecvPath,
+                  shape: tuple[int, ...]) -> None:
         received = path.read(peer, header, payload, shape, self._reply_fn(peer))
         try:
             self.table.write(t, header, received.kv, received.checksum)
         finally:
             received.release()
+
+    def _drop_payload(self, peer: bytes, header: Header) -> None:
+        """A rejected layer's payload may still be on its way over another channel (a
+        process group's send): take it off and drop it, so the pair stays in step and one
+        refused transfer (cancelled, expired, unknown) never stalls the peer's next ones."""
+        path = self._paths.get(header.data_path)
+        if path is not None:
+            path.discard(peer, header, self.table.bounds.max_layer_bytes)
 
     def _reject(self, peer: bytes, exc: TransferError, fail: bool) -> None:
         self.metrics.rejected(exc.reason)
