@@ -1,16 +1,20 @@
 """`pdcluster bench router-overhead` without Ray: the command is registered, its
-medians, and the HTTP request it times asks for an event per token."""
+medians, the HTTP request it times asks for an event per token, and the client process
+that times it."""
 
 from __future__ import annotations
 
 import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
+import pytest
 from typer.testing import CliRunner
 
 from cluster.bench_router_overhead import _medians
 from cluster.cli import app
-from cluster.router_overhead import http_ttft_s
+from cluster.router_overhead import HttpClientProcess, http_ttft_s
 
 
 def test_command_is_registered():
@@ -39,3 +43,33 @@ def test_http_path_times_the_first_token_event():
     with httpx.Client(transport=httpx.MockTransport(handler)) as http:
         assert http_ttft_s(http, "http://router", [65] * 4, 2) > 0
     assert json.loads(seen["body"])["return_token_ids"] is True
+
+
+class _SSEHandler(BaseHTTPRequestHandler):
+    def do_POST(self):  # noqa: N802 - http.server's naming
+        self.rfile.read(int(self.headers["content-length"]))
+        if self.path.startswith("/broken"):
+            self.send_error(500)
+            return
+        body = b'data: {"choices":[{"text":"a","token_ids":[97]}]}\n\ndata: [DONE]\n\n'
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_http_client_process_times_real_requests_and_reports_failures():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _SSEHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with HttpClientProcess(base) as client:
+            assert all(0 < client.ttft_s([65] * 4, 2) < 10 for _ in range(3))
+        with HttpClientProcess(f"{base}/broken") as client, pytest.raises(RuntimeError, match="500"):
+            client.ttft_s([65] * 4, 2)
+    finally:
+        server.shutdown()
