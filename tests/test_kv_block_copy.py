@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import workers.engine.kv_cache as kv_cache
 from workers.engine.kv_cache import block_runs, copy_from_blocks, copy_into_blocks
+from workers.engine.kv_types import FramedKV
 
 
 @given(st.lists(st.integers(0, 40), unique=True, max_size=24))
@@ -91,3 +92,31 @@ def test_copy_into_blocks_refuses_what_would_overrun(block_ids, shape):
     with pytest.raises(ValueError):
         copy_into_blocks(layer, block_ids, torch.ones(shape))
     assert not layer.any()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 31), unique=True, min_size=1, max_size=20),
+       st.sampled_from([torch.float32, torch.bfloat16]), st.lists(st.integers(1, 700), max_size=8),
+       st.sampled_from([7, 4096, 1 << 20]))
+def test_a_payload_in_frames_lands_as_the_whole_tensor_would(block_ids, dtype, cuts, chunk):
+    """A layer received as several frames, cut anywhere (mid-element, mid-block, across
+    K and V), is copied from one cursor over them: the same blocks and the same digest."""
+    kv = torch.randn(2, len(block_ids), 4, 2, 8).to(dtype)
+    raw = kv.view(torch.uint8).reshape(-1)
+    bounds = sorted({min(c * 7, raw.numel()) for c in cuts} | {0, raw.numel()})
+    pieces = tuple(raw[a:b].clone() for a, b in zip(bounds, bounds[1:], strict=False))
+    expected, layer = torch.zeros(2, 32, 4, 2, 8, dtype=dtype), torch.zeros(2, 32, 4, 2, 8, dtype=dtype)
+    want, got = xxhash.xxh3_64(), xxhash.xxh3_64()
+    copy_into_blocks(expected, block_ids, kv, want)
+    original, kv_cache.DIGEST_CHUNK_BYTES = kv_cache.DIGEST_CHUNK_BYTES, chunk
+    try:
+        copy_into_blocks(layer, block_ids, FramedKV(pieces, tuple(kv.shape), dtype), got)
+    finally:
+        kv_cache.DIGEST_CHUNK_BYTES = original
+    assert torch.equal(layer.view(torch.uint8), expected.view(torch.uint8))
+    assert got.intdigest() == want.intdigest()
+
+
+def test_framed_payload_must_add_up_to_its_shape():
+    with pytest.raises(ValueError):
+        FramedKV((torch.zeros(10, dtype=torch.uint8),), (2, 1, 4, 2, 8), torch.float32)

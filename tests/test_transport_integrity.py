@@ -137,3 +137,50 @@ def send_transfers_in_step(tx, rx, target) -> None:
     assert time.monotonic() - start < 5
     assert all(torch.equal(target.read(res, i), kv) for i, kv in enumerate(layers))
     target.commit(res)
+
+
+@pytest.mark.parametrize("frame_bytes", [1000, 4096])
+def test_a_layer_sent_as_many_frames_arrives_bit_identical(monkeypatch, frame_bytes):
+    """Layers are cut into frames (here far smaller than the 8 MiB default, at sizes that
+    split elements, blocks and K from V); they land exactly, and a flipped byte in one
+    frame is still caught."""
+    import transport.datapath as datapath
+
+    monkeypatch.setattr(datapath, "INLINE_FRAME_BYTES", frame_bytes)
+    target = MemoryTarget(LAYOUT, 32)
+    rx = make_receiver(config("zmq", reservation_ttl_s=SHORT_S), target)
+    tx = make_sender(config("zmq"))
+    try:
+        layers = synthetic_layers(LAYOUT, 3, 11)
+        assert layers[0].numel() * layers[0].element_size() > 2 * frame_bytes
+        res = target.reserve("framed", 3)
+        rx.expect("framed", res)
+        send_all(tx.open("framed", rx.address, LAYOUT), layers)
+        rx.wait("framed", 10)
+        assert all(torch.equal(target.read(res, i), kv) for i, kv in enumerate(layers))
+        target.commit(res)
+    finally:
+        tx.close()
+        rx.close()
+
+    class _FlipInFrame(InlineSendPath):
+        def payload(self, header, kv, checksum=None):
+            frames = super().payload(header, kv, checksum)
+            assert len(frames) > 1
+            flipped = bytearray(frames[1])
+            flipped[len(flipped) // 2] ^= 0x01
+            return [frames[0], bytes(flipped), *frames[2:]]
+
+    target = MemoryTarget(LAYOUT, 32)
+    rx = make_receiver(config("zmq", reservation_ttl_s=SHORT_S), target)
+    tx = ZmqSender(config("zmq"), lambda addr: _FlipInFrame())
+    try:
+        res = target.reserve("framed-bad", 2)
+        rx.expect("framed-bad", res)
+        send_all(tx.open("framed-bad", rx.address, LAYOUT), synthetic_layers(LAYOUT, 2, 12))
+        with pytest.raises(TransferCorrupt):
+            rx.wait("framed-bad", 10)
+        assert target.num_free_blocks == 32
+    finally:
+        tx.close()
+        rx.close()

@@ -11,7 +11,7 @@ import threading
 import torch
 
 from workers.engine.kv_cache import copy_into_blocks, tensor_bytes
-from workers.engine.kv_types import ByteDigest, KVLayout, KVReservation
+from workers.engine.kv_types import ByteDigest, FramedKV, KVLayout, KVReservation
 
 
 def make_layout(num_layers: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
@@ -65,7 +65,8 @@ class MemoryTarget:
         if self.allocate:
             copy_into_blocks(self.layers[layer_idx], res.block_ids[res.num_cached_blocks:], kv, digest)
         elif digest is not None:
-            digest.update(tensor_bytes(kv.contiguous()))
+            for piece in kv.pieces if isinstance(kv, FramedKV) else (kv.contiguous(),):
+                digest.update(tensor_bytes(piece))
         res.layers_written.add(layer_idx)
         with self._lock:
             self.write_log.append((res.transfer_id, layer_idx))

@@ -28,7 +28,7 @@ from transport.base import (
 )
 from transport.metrics import TransportMetrics
 from transport.wire import Header
-from workers.engine.kv_types import KVLayout, KVReservation
+from workers.engine.kv_types import FramedKV, KVLayout, KVReservation
 
 MAX_FINISHED = 8192  # ids remembered to reject replays and answer late `wait`s
 
@@ -159,7 +159,7 @@ class TransferTable:
             raise reject(f"shape {header.shape} != expected {list(shape)}", "bounds")
         return shape
 
-    def write(self, t: Transfer, header: Header, kv: torch.Tensor, checksum: int | None) -> None:
+    def write(self, t: Transfer, header: Header, kv: torch.Tensor | FramedKV, checksum: int | None) -> None:
         """Copy layers into the reserved blocks (the one copy on the receive side), checking
         `checksum` (unless None) on the bytes as they land. On a mismatch the transfer fails
         and its blocks, never committed, are freed with the reservation."""
@@ -169,7 +169,7 @@ class TransferTable:
                 raise TransferRejected(f"{tid!r} already failed", "late", tid)
             digest = new_payload_digest() if checksum is not None else None
             for i in range(kv.shape[0]):
-                self.target.write_kv_layer(t.reservation, header.layer_start + i, kv[i], digest)
+                self.target.write_kv_layer(t.reservation, header.layer_start + i, _layer(kv, i), digest)
             if digest is not None and digest.intdigest() != checksum:
                 if t.future.done():  # cancelled meanwhile: the target dropped the layer
                     raise TransferRejected(f"{tid!r} already failed", "late", tid)
@@ -235,3 +235,13 @@ class TableReceiver(KVReceiver):
 
     def pending_ids(self) -> list[str]:
         return self.table.pending_ids()
+
+
+def _layer(kv: torch.Tensor | FramedKV, i: int) -> torch.Tensor | FramedKV:
+    """Layer `i` of a message's payload (a framed payload carries exactly one layer)."""
+    if isinstance(kv, FramedKV):
+        if kv.shape[0] != 1 or i != 0:
+            raise TransferCorrupt("a payload sent as several frames must hold one layer", "malformed")
+        return FramedKV(kv.pieces, kv.shape[1:], kv.dtype)
+    return kv[i]
+

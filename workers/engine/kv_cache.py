@@ -13,7 +13,7 @@ import json
 
 import torch
 
-from workers.engine.kv_types import ByteDigest, KVLayout
+from workers.engine.kv_types import ByteDigest, FramedKV, KVLayout
 
 DEFAULT_GPU_MEMORY_FRACTION = 0.9
 DEFAULT_CPU_KV_BYTES = 1 << 30
@@ -127,12 +127,19 @@ def copy_into_blocks(layer: torch.Tensor, block_ids: list[int], kv: torch.Tensor
 
     `digest`, if given, is fed every byte of `kv` in order: on CPU from the blocks just
     written, piece by piece while each piece is in cache, so verifying a received payload
-    costs no second pass over memory. (The caller discards the blocks if it then fails.)"""
+    costs no second pass over memory. (The caller discards the blocks if it then fails.)
+    `kv` may be a `FramedKV` (a payload received as several frames): its pieces are copied
+    in order, with no joined copy, into a CPU layer."""
     if kv.shape[0] != 2 or kv.shape[1] != len(block_ids) or kv.shape[2:] != layer.shape[2:]:
         raise ValueError(f"KV shape {tuple(kv.shape)} does not fit {len(block_ids)} blocks "
                          f"of {tuple(layer.shape[2:])}")
     if block_ids and not 0 <= min(block_ids) <= max(block_ids) < layer.shape[1]:
         raise ValueError(f"block ids outside [0, {layer.shape[1]})")  # a memmove must never overrun
+    if isinstance(kv, FramedKV):
+        if layer.device.type == "cpu" and layer.is_contiguous() and kv.dtype == layer.dtype:
+            _copy_framed(layer, block_ids, kv, digest)
+            return
+        kv = kv.joined()
     cpu_bytes = (layer.device.type == "cpu" and kv.device.type == "cpu" and kv.dtype == layer.dtype
                  and layer.is_contiguous() and kv.is_contiguous())
     if not cpu_bytes:
@@ -149,6 +156,26 @@ def copy_into_blocks(layer: torch.Tensor, block_ids: list[int], kv: torch.Tensor
         for dst, src, n in runs:
             memmove_hashed(layer.data_ptr(), half * layer_half + dst * row,
                            kv.data_ptr() + half * kv_half + src * row, n * row, written, digest)
+
+
+def _copy_framed(layer: torch.Tensor, block_ids: list[int], kv: FramedKV,
+                 digest: ByteDigest | None) -> None:
+    """`copy_into_blocks` from consecutive pieces: destination spans (K runs, then V runs:
+    the payload's byte order) are filled from one cursor over the pieces."""
+    row = layer[0, 0].numel() * layer.element_size()
+    layer_half = layer[0].numel() * layer.element_size()
+    written = tensor_bytes(layer) if digest is not None else None
+    pieces = [p for p in kv.pieces if p.numel()]
+    piece, pos = 0, 0
+    for half in range(2):
+        for dst, _src, n in block_runs(block_ids):
+            offset, left = half * layer_half + dst * row, n * row
+            while left:
+                take = min(left, pieces[piece].numel() - pos)
+                memmove_hashed(layer.data_ptr(), offset, pieces[piece].data_ptr() + pos, take, written, digest)
+                offset, left, pos = offset + take, left - take, pos + take
+                if pos == pieces[piece].numel():
+                    piece, pos = piece + 1, 0
 
 
 def copy_from_blocks(layer: torch.Tensor, block_ids: list[int],

@@ -79,6 +79,30 @@ class ByteDigest(Protocol):
     def intdigest(self) -> int: ...
 
 
+@dataclass(frozen=True)
+class FramedKV:
+    """One layer's received payload in the pieces it arrived in (CPU byte tensors whose
+    concatenation is the layer's bytes): `copy_into_blocks` copies from them in order,
+    so a layer sent as several frames is never joined into one buffer first."""
+
+    pieces: tuple[torch.Tensor, ...]  # contiguous uint8, CPU
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device = torch.device("cpu")
+
+    def __post_init__(self) -> None:
+        nbytes = sum(p.numel() for p in self.pieces)
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        if nbytes != numel * torch.empty((), dtype=self.dtype).element_size():
+            raise ValueError(f"{nbytes} bytes of pieces do not make a {self.dtype} tensor of {self.shape}")
+
+    def joined(self) -> torch.Tensor:
+        """The layer as one tensor (one extra copy: only for a destination that is not host memory)."""
+        return torch.cat([p.reshape(-1) for p in self.pieces]).view(self.dtype).view(self.shape)
+
+
 @dataclass
 class KVReservation:
     """Blocks held on the decode side for one expected transfer."""
