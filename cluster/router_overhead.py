@@ -11,11 +11,13 @@ with Serve's handle threads and measured ~1 ms slower.)"""
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import random
 import statistics
+import subprocess
+import sys
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 
@@ -65,26 +67,33 @@ def handle_ttft_s(handle, prompt: list[int], max_tokens: int) -> float:
 
 
 class HttpClientProcess:
-    """`http_ttft_s` in a spawned process of its own, one request per `ttft_s` call."""
+    """`http_ttft_s` in a child Python of its own (`python -m cluster.router_overhead URL`),
+    one request per `ttft_s` call over JSON lines on its stdin/stdout. A plain subprocess,
+    not multiprocessing: spawn would leave its resource tracker running after the bench."""
 
     def __init__(self, url: str) -> None:
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_client_main, args=(child, url), daemon=True)
-        self._proc.start()
+        self._proc = subprocess.Popen([sys.executable, "-m", "cluster.router_overhead", url],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                      cwd=str(Path(__file__).resolve().parents[1]))
 
     def ttft_s(self, prompt: list[int], max_tokens: int) -> float:
-        self._conn.send((prompt, max_tokens))
-        result = self._conn.recv()
-        if isinstance(result, str):
-            raise RuntimeError(f"HTTP client process: {result}")
-        return result
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._proc.stdin.write(json.dumps({"prompt": prompt, "max_tokens": max_tokens}) + "\n")
+        self._proc.stdin.flush()
+        line = self._proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"HTTP client process exited ({self._proc.poll()})")
+        result = json.loads(line)
+        if "error" in result:
+            raise RuntimeError(f"HTTP client process: {result['error']}")
+        return float(result["ttft_s"])
 
     def close(self) -> None:
-        self._conn.send(None)
-        self._proc.join(10)
-        if self._proc.is_alive():
+        try:
+            self._proc.communicate(timeout=10)  # closes stdin: the child's loop ends
+        except subprocess.TimeoutExpired:
             self._proc.kill()
+            self._proc.wait()
 
     def __enter__(self) -> HttpClientProcess:
         return self
@@ -93,13 +102,16 @@ class HttpClientProcess:
         self.close()
 
 
-def _client_main(conn, url: str) -> None:
+def _client_main(url: str) -> None:
     with httpx.Client(timeout=60) as http:
-        while (msg := conn.recv()) is not None:
+        for line in sys.stdin:
+            msg = json.loads(line)
             try:
-                conn.send(http_ttft_s(http, url, *msg))
+                out = {"ttft_s": http_ttft_s(http, url, msg["prompt"], msg["max_tokens"])}
             except Exception as e:  # noqa: BLE001 - reported to the parent
-                conn.send(f"{type(e).__name__}: {e}")
+                out = {"error": f"{type(e).__name__}: {e}"}
+            sys.stdout.write(json.dumps(out) + "\n")
+            sys.stdout.flush()
 
 
 def measure(url: str, app_name: str, num_samples: int = 30, prompt_len: int = 64, max_tokens: int = 2,
@@ -160,3 +172,8 @@ def _p90(values: list[float]) -> float:
 
 def _ms(seconds: float) -> float:
     return round(seconds * 1000.0, 3)
+
+
+if __name__ == "__main__":
+    _client_main(sys.argv[1])
+
