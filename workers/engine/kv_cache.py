@@ -137,7 +137,7 @@ def copy_into_blocks(layer: torch.Tensor, block_ids: list[int], kv: torch.Tensor
         raise ValueError(f"block ids outside [0, {layer.shape[1]})")  # a memmove must never overrun
     if isinstance(kv, FramedKV):
         if layer.device.type == "cpu" and layer.is_contiguous() and kv.dtype == layer.dtype:
-            _copy_framed(layer, block_ids, kv, digest)
+            _copy_pieces(layer, block_ids, kv.pieces, digest)
             return
         kv = kv.joined()
     cpu_bytes = (layer.device.type == "cpu" and kv.device.type == "cpu" and kv.dtype == layer.dtype
@@ -148,34 +148,36 @@ def copy_into_blocks(layer: torch.Tensor, block_ids: list[int], kv: torch.Tensor
         index = torch.tensor(block_ids, dtype=torch.long, device=layer.device)
         layer.index_copy_(1, index, kv.to(device=layer.device, dtype=layer.dtype))
         return
+    _copy_pieces(layer, block_ids, (kv.reshape(-1).view(torch.uint8),), digest)
+
+
+def _block_spans(layer: torch.Tensor, block_ids: list[int]) -> list[tuple[int, int, int]]:
+    """`(byte offset in the layer, byte offset in the payload, bytes)` of each (K or V, run
+    of consecutive blocks), in the payload's byte order (K runs, then V runs): the one
+    memmove each that a layer export or import costs."""
     row = layer[0, 0].numel() * layer.element_size()  # bytes of one block's K (or V)
-    layer_half, kv_half = layer[0].numel() * layer.element_size(), kv[0].numel() * kv.element_size()
-    written = tensor_bytes(layer) if digest is not None else None
+    layer_half, payload_half = layer[0].numel() * layer.element_size(), len(block_ids) * row
     runs = block_runs(block_ids)
-    for half in range(2):
-        for dst, src, n in runs:
-            memmove_hashed(layer.data_ptr(), half * layer_half + dst * row,
-                           kv.data_ptr() + half * kv_half + src * row, n * row, written, digest)
+    return [(half * layer_half + block * row, half * payload_half + index * row, n * row)
+            for half in range(2) for block, index, n in runs]
 
 
-def _copy_framed(layer: torch.Tensor, block_ids: list[int], kv: FramedKV,
+def _copy_pieces(layer: torch.Tensor, block_ids: list[int], pieces: tuple[torch.Tensor, ...],
                  digest: ByteDigest | None) -> None:
-    """`copy_into_blocks` from consecutive pieces: destination spans (K runs, then V runs:
-    the payload's byte order) are filled from one cursor over the pieces."""
-    row = layer[0, 0].numel() * layer.element_size()
-    layer_half = layer[0].numel() * layer.element_size()
+    """Fill the blocks' spans in payload order from one cursor over `pieces` (contiguous
+    CPU tensors whose bytes, concatenated, are the payload: one tensor, or the frames it
+    arrived in, never joined first)."""
     written = tensor_bytes(layer) if digest is not None else None
-    pieces = [p for p in kv.pieces if p.numel()]
+    pieces = tuple(p for p in pieces if p.numel())
     piece, pos = 0, 0
-    for half in range(2):
-        for dst, _src, n in block_runs(block_ids):
-            offset, left = half * layer_half + dst * row, n * row
-            while left:
-                take = min(left, pieces[piece].numel() - pos)
-                memmove_hashed(layer.data_ptr(), offset, pieces[piece].data_ptr() + pos, take, written, digest)
-                offset, left, pos = offset + take, left - take, pos + take
-                if pos == pieces[piece].numel():
-                    piece, pos = piece + 1, 0
+    for offset, _, left in _block_spans(layer, block_ids):
+        while left:
+            size = pieces[piece].numel() * pieces[piece].element_size()
+            take = min(left, size - pos)
+            memmove_hashed(layer.data_ptr(), offset, pieces[piece].data_ptr() + pos, take, written, digest)
+            offset, left, pos = offset + take, left - take, pos + take
+            if pos == size:
+                piece, pos = piece + 1, 0
 
 
 def copy_from_blocks(layer: torch.Tensor, block_ids: list[int],
@@ -195,14 +197,9 @@ def copy_from_blocks(layer: torch.Tensor, block_ids: list[int],
             digest.update(tensor_bytes(out))
         return out
     out = torch.empty((2, len(block_ids), *layer.shape[2:]), dtype=layer.dtype)
-    row = layer[0, 0].numel() * layer.element_size()
-    layer_half, out_half = layer[0].numel() * layer.element_size(), out[0].numel() * out.element_size()
     written = tensor_bytes(out) if digest is not None else None
-    runs = block_runs(block_ids)
-    for half in range(2):
-        for src, dst, n in runs:  # (block in the layer, index in `out`, length)
-            memmove_hashed(out.data_ptr(), half * out_half + dst * row,
-                           layer.data_ptr() + half * layer_half + src * row, n * row, written, digest)
+    for layer_offset, out_offset, nbytes in _block_spans(layer, block_ids):
+        memmove_hashed(out.data_ptr(), out_offset, layer.data_ptr() + layer_offset, nbytes, written, digest)
     return out
 
 
