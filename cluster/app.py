@@ -35,12 +35,13 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     prefill = _pool(config, "prefill").bind(config_args, control_plane, key) if config.prefill.enabled else None
     decode = (_pool(config, "decode").bind(config_args, prefill, control_plane, key)
               if config.decode.enabled else None)
-    return _router(config).bind(config_args, control_plane, decode, prefill)
+    return _router(config).bind(config_args, control_plane, decode, prefill, key)
 
 
 def transport_key(config: ClusterConfig) -> str:
-    """The KV transport's shared HMAC key: configured, else one fresh key for this
-    deployment (handed to every worker as a constructor argument, never logged)."""
+    """The KV transport's shared HMAC key, which also seals the router <-> worker stream:
+    configured, else one fresh key for this deployment (handed to every worker and router
+    as a constructor argument, never logged)."""
     from transport.config import generate_key
 
     if config.transport.key_file:
@@ -69,8 +70,13 @@ def _pool(config: ClusterConfig, role: str):
     else:
         from workers.decode import DecodeDeployment as deployment
         pool = config.decode
+    options = pool.deployment_options()
+    if config.router.worker_stream and "autoscaling_config" in options:
+        from workers.autoscaling import with_stream_policy
+
+        options["autoscaling_config"] = with_stream_policy(options["autoscaling_config"])
     return deployment.options(
-        **pool.deployment_options(),
+        **options,
         request_router_config=request_router_config(),
         user_config={"log_level": config.log_level},
         health_check_period_s=HEALTH_CHECK_PERIOD_S,

@@ -158,6 +158,9 @@ class RouterSettings(_Strict):
     state_poll_interval_s: float = Field(default=0.5, gt=0, le=1.0)  # profiles reach routers < 2 s
     heartbeat_timeout_s: float = Field(default=3.0, gt=0)  # replica unhealthy after this silence
     offload_local_to_prefill: bool = True  # a local request may run whole on an idle prefill replica
+    # `generate` travels over an authenticated ZeroMQ stream from the router to the chosen
+    # replica (router/worker_stream.py); false: through Serve handles (a few ms more per hop)
+    worker_stream: bool = True
     prefix_index_blocks: int = Field(default=65536, ge=1)  # remembered block hashes per replica
 
 

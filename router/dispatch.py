@@ -4,6 +4,10 @@ The first `GenerateChunk` carries the route actually taken, so the HTTP headers 
 only after it arrives. A call that fails before any chunk (the replica died, Serve has
 no replica) is retried once on another replica; after that it is a 503. A worker's
 error chunk becomes the matching OpenAI error.
+
+A call goes over the worker stream (router/worker_stream.py) to the planned replica
+when that replica advertised one, else through its deployment's Serve handle; both
+give an async iterator of chunks with `cancel()`.
 """
 
 from __future__ import annotations
@@ -23,11 +27,29 @@ from ray.serve.exceptions import (
 
 from router.errors import APIError, unavailable
 from router.planner import ClusterView, RoutePlan
+from router.worker_stream import ReplicaGone, StreamCall, WorkerCallFailed, WorkerStreams
 from workers.protocol import GenerateChunk, GenerateRequest
 
 log = logging.getLogger("pdcluster.router")
 RETRYABLE = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError, BackPressureError,
-             RayServeException)
+             RayServeException, ReplicaGone)
+WORKER_FAILURES = (*RETRYABLE, WorkerCallFailed)  # after the first chunk: a 503, never a 500
+
+
+@dataclass
+class Callers:
+    handles: dict  # deployment ("decode" | "prefill") -> Serve handle
+    streams: WorkerStreams | None = None
+
+    def call(self, plan: RoutePlan, request: GenerateRequest, view: ClusterView):
+        """The planned replica's stream when it has one, else its deployment's handle;
+        None when neither exists."""
+        replica = view.replicas.get(plan.target_replica) if plan.target_replica else None
+        address = replica.extra.get("stream_address") if replica is not None else None
+        if self.streams is not None and address:
+            return self.streams.call(address, request)
+        handle = self.handles.get(plan.deployment)
+        return None if handle is None else handle.options(stream=True).generate.remote(request)
 
 
 @dataclass
@@ -38,6 +60,11 @@ class Call:
     view: ClusterView
     done: bool = False
     closed: bool = False
+
+    @property
+    def path(self) -> str:
+        """How the call travels: "stream" (the worker stream) or "handle" (Serve)."""
+        return "stream" if isinstance(self.stream, StreamCall) else "handle"
 
     @property
     def route(self) -> str:
@@ -74,18 +101,17 @@ def error_status(error: dict) -> int:
     return 503
 
 
-async def start(handles: dict, view: ClusterView, plan_fn, make_request, timeout_s: float) -> Call:
+async def start(callers: Callers, view: ClusterView, plan_fn, make_request, timeout_s: float) -> Call:
     """Plan, call, and wait for the first chunk; one retry on another replica."""
     last_error: Exception | None = None
     for _attempt in range(2):
         plan: RoutePlan = plan_fn()
         request: GenerateRequest = make_request(plan)
         view.begin(plan)
-        handle = handles.get(plan.deployment)
-        if handle is None:
+        stream = callers.call(plan, request, view)
+        if stream is None:
             view.end(plan)
             raise unavailable()
-        stream = handle.options(stream=True).generate.remote(request)
         try:
             first = await asyncio.wait_for(stream.__anext__(), timeout_s)
         except (StopAsyncIteration, asyncio.TimeoutError) as e:
@@ -101,6 +127,11 @@ async def start(handles: dict, view: ClusterView, plan_fn, make_request, timeout
                 view.excluded.add(plan.target_replica)
             last_error = e
             continue
+        except WorkerCallFailed as e:
+            stream.cancel()
+            view.end(plan)
+            log.error("request %s: %s failed: %s", request.request_id, plan.target_replica, e)
+            raise APIError(503, "The serving replica failed; retry", code="replica_failed") from None
         except BaseException:
             stream.cancel()
             view.end(plan)

@@ -38,6 +38,7 @@ from router.planner import ClusterView
 from router.prompting import PromptBuilder
 from router.responses import ResponseShape
 from router.tenants import Tenants
+from router.worker_stream import worker_streams
 from router.workloads import Profiles, client_mode, view
 from workers.engine_worker import resolve_model_path  # makes a preset once per node, under a lock
 from workers.protocol import GenerateRequest
@@ -79,9 +80,11 @@ install_handlers(app)
 @serve.deployment(name="Router", max_ongoing_requests=1000)
 @serve.ingress(app)
 class Router:
-    async def __init__(self, config: dict | ClusterConfig, control_plane=None, decode=None, prefill=None) -> None:
+    async def __init__(self, config: dict | ClusterConfig, control_plane=None, decode=None, prefill=None,
+                       transport_key: str | None = None) -> None:
         self.config = load_config(config)
         self.handles = {k: h for k, h in (("decode", decode), ("prefill", prefill)) if h is not None}
+        self.streams = worker_streams(self.config, transport_key)
         self.control_plane = control_plane
         self.model = self.config.model.served_name
         self.prompts = PromptBuilder(resolve_model_path(self.config), self.config.model.max_model_len)
@@ -120,10 +123,16 @@ class Router:
             self.profiles = Profiles(state.version, {n: WorkloadProfile.model_validate(p)
                                                      for n, p in state.profiles.items()})
         self.view.update(state.replicas)
+        if self.streams is not None:
+            self.streams.retain({a for r in state.replicas if (a := r.extra.get("stream_address"))})
 
     async def _push_metrics(self) -> None:
         if self.control_plane is not None:
             await self.control_plane.push_metrics.remote(self.source_id, metrics.snapshot(self.metrics.registry))
+
+    def __del__(self) -> None:
+        if getattr(self, "streams", None) is not None:
+            self.streams.close()
 
     def check_health(self) -> None:
         if self._poller.done() and not self._poller.cancelled():
@@ -183,11 +192,12 @@ class Router:
                 target_replica=plan.target_replica, prefill_replica=plan.prefill_replica)
 
         call = await dispatch.start(
-            self.handles, self.view,
+            dispatch.Callers(self.handles, self.streams), self.view,
             lambda: self.view.plan(prompt_ids, params.max_tokens, view(profile), forced,
                                    self.config.router.offload_local_to_prefill),
             make_request, self.config.router.request_timeout_s)
         self.metrics.record_route(call.route, call.reason, workload)
+        self.metrics.record_worker_call(call.path)
         headers = {"x-pd-route": call.route, "x-pd-reason": call.reason}
         shape = ResponseShape(kind, request_id, self.model, req.return_token_ids)
         timing = streaming.Timing(self.metrics, call.route, workload, arrival)

@@ -52,10 +52,16 @@ class RouterMetrics:
                              REQUEST_LABELS, registry=self.registry, buckets=LATENCY_BUCKETS)
         self.route_decisions = Counter("pdc_route_decisions", "Routes taken, by reason.",
                                        ("model", "route", "reason", "workload"), registry=self.registry)
+        self.worker_calls = Counter("pdc_worker_calls", "Calls to worker replicas, by how they travelled "
+                                    "(stream: the ZeroMQ worker stream; handle: a Serve handle).",
+                                    ("model", "path"), registry=self.registry)
         mirror_into_ray(self)  # the same recordings also reach Ray's Prometheus export
 
     def record_route(self, route: str, reason: str, workload: str) -> None:
         self.route_decisions.labels(self.model, route, reason, workload).inc()
+
+    def record_worker_call(self, path: str) -> None:
+        self.worker_calls.labels(self.model, path).inc()
 
     def observe_ttft(self, route: str, workload: str, seconds: float) -> None:
         self.ttft.labels(self.model, route, workload).observe(seconds)

@@ -104,7 +104,7 @@ async def collect_json(call: dispatch.Call, shape: ResponseShape, prompt_ids: li
             texts.append(chunk.text)
             token_ids.extend(chunk.token_ids)
             finish_reason = chunk.finish_reason or finish_reason
-    except dispatch.RETRYABLE as e:
+    except dispatch.WORKER_FAILURES as e:
         raise APIError(503, f"The serving replica failed: {type(e).__name__}", code="replica_failed") from None
     finally:
         call.close()

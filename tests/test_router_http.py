@@ -39,15 +39,17 @@ def _config(model_dir, token_file, **overrides):
     return config
 
 
-def _wait_health(client, ok, timeout_s=120.0):
-    deadline = time.monotonic() + timeout_s
+def _wait_health(client, ok, timeout_s=120.0, times=1):
+    """`times` answers in a row: with two router replicas, one replica's view may lag."""
+    deadline, streak = time.monotonic() + timeout_s, 0
     while time.monotonic() < deadline:
         try:
             r = client.get("/health")
-            if ok(r):
+            streak = streak + 1 if ok(r) else 0
+            if streak >= times:
                 return r
         except httpx.HTTPError:
-            pass
+            streak = 0
         time.sleep(0.3)
     raise AssertionError(f"/health never reached the expected state: {r.status_code} {r.text}")
 
@@ -62,7 +64,7 @@ def client(ray_cluster, tiny_model_dir, tmp_path_factory):
     token_file.write_text(TOKEN)
     serve.run(build_app(_config(tiny_model_dir, token_file)), name=APP, route_prefix="/")
     with httpx.Client(base_url=f"http://127.0.0.1:{ray_cluster['http_port']}", timeout=60) as c:
-        _wait_health(c, lambda r: r.status_code == 200 and r.json()["status"] == "ok")
+        _wait_health(c, lambda r: r.status_code == 200 and r.json()["status"] == "ok", times=6)
         yield c
     serve.delete(APP)
 
@@ -224,7 +226,26 @@ def test_metrics_show_every_name_after_traffic(client):
     assert not missing, f"missing from /metrics: {missing}"
     assert 'pool="decode"' in text and 'pool="prefill"' in text
     assert not any(s.startswith("pdc_") and s.split("_")[1] not in
-                   ("time", "inter", "e2e", "route", "kv", "prefix", "num") for s in samples)
+                   ("time", "inter", "e2e", "route", "kv", "prefix", "num", "worker") for s in samples)
+
+
+def test_generate_travels_over_the_worker_stream(client):
+    """Every call reaches its replica over the ZeroMQ worker stream, none through a Serve
+    handle: the router found each replica's advertised stream address."""
+    for mode in ("local", "disagg"):
+        r = complete(client, "which path does this take " * 3, headers={"x-pd-mode": mode})
+        assert r.status_code == 200 and r.headers["x-pd-route"] == mode
+    deadline = time.monotonic() + 10  # the other router replica pushes its counts every few s
+    while True:
+        calls: dict[str, float] = {}
+        for line in client.get("/metrics").text.splitlines():
+            if line.startswith("pdc_worker_calls_total{"):
+                path = line.split('path="')[1].split('"')[0]
+                calls[path] = calls.get(path, 0.0) + float(line.rsplit(" ", 1)[1])
+        if calls.get("stream", 0) >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert calls.get("stream", 0) >= 2 and calls.get("handle", 0) == 0, calls
 
 
 @pytest.fixture()

@@ -38,7 +38,7 @@ class DecodeWorker(EngineWorker):
 
     async def __init__(self, config, prefill=None, control_plane=None,
                        transport_key: str | None = None) -> None:
-        await super().__init__(config, control_plane)
+        await super().__init__(config, control_plane, transport_key)
         self.prefill_handle = prefill
         self.receiver = make_receiver(self.config, self.engine, transport_key)
         self.start_heartbeat(self.receiver.address)

@@ -22,6 +22,7 @@ from workers.async_engine import AsyncEngine, DeadlineExceeded, EngineDeadError
 from workers.faults import FaultState
 from workers.metrics import WorkerMetrics
 from workers.protocol import GenerateChunk, GenerateRequest
+from workers.stream_server import StreamServer
 
 log = logging.getLogger("pdcluster.worker")
 HEARTBEAT_INTERVAL_S = 0.5
@@ -30,7 +31,8 @@ HEARTBEAT_INTERVAL_S = 0.5
 class EngineWorker:
     role: ClassVar[str] = "decode"
 
-    async def __init__(self, config: dict | ClusterConfig, control_plane=None) -> None:
+    async def __init__(self, config: dict | ClusterConfig, control_plane=None,
+                       transport_key: str | None = None) -> None:
         self.config = load_config(config)
         logging.getLogger("pdcluster").setLevel(self.config.log_level)
         self.control_plane = control_plane
@@ -41,6 +43,16 @@ class EngineWorker:
         self._heartbeat_task: asyncio.Task | None = None
         self._closed = False
         self.faults = FaultState(self.config.faults)  # inert unless the config enables it
+        self.stream_server = self._start_stream_server(transport_key)
+
+    def _start_stream_server(self, transport_key: str | None) -> StreamServer | None:
+        """`generate` for routers over ZeroMQ (workers/stream_server.py), unless configured off."""
+        if not self.config.router.worker_stream:
+            return None
+        from workers.kv_transport import stream_codec, stream_host
+
+        return StreamServer(self.generate, stream_codec(self.config, transport_key),
+                            stream_host(self.config)).start()
 
     def _build_engine(self):
         import torch
@@ -71,6 +83,13 @@ class EngineWorker:
         level = (user_config or {}).get("log_level")
         if level:
             logging.getLogger("pdcluster").setLevel(level)
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """For Serve's autoscaler: the calls that came over the worker stream, which its
+        handles never saw (workers/autoscaling.py adds them to its count)."""
+        from workers.autoscaling import STREAM_CALLS
+
+        return {STREAM_CALLS: float(len(self.stream_server.calls) if self.stream_server else 0)}
 
     def record_routing_stats(self) -> dict[str, Any]:
         """What Serve's request router may read about this replica's load."""
@@ -141,7 +160,8 @@ class EngineWorker:
                 if not registered:
                     await self.control_plane.register.remote(
                         replica_id=self.replica_id, role=self.role, node_id=self.node_id,
-                        address=address, layout_fingerprint=self.engine.layout.fingerprint())
+                        address=address, layout_fingerprint=self.engine.layout.fingerprint(),
+                        stream_address=self.stream_server.address if self.stream_server else None)
                     registered = True
                 stats = await self.stats()
                 self.metrics.update_from_stats(stats)
@@ -155,6 +175,9 @@ class EngineWorker:
 
     def __del__(self) -> None:
         self._closed = True
+        if getattr(self, "stream_server", None) is not None:
+            with contextlib.suppress(Exception):
+                self.stream_server.close()
         with contextlib.suppress(Exception):
             self.engine.shutdown(timeout_s=1.0)
 

@@ -29,6 +29,20 @@ def make_receiver(config: ClusterConfig, target, key: str | None):
     return build(transport_config(config, key), target)
 
 
+def stream_codec(config: ClusterConfig, key: str | None):
+    """The worker stream's codec (workers/stream_wire.py), keyed like the KV transport."""
+    from workers.stream_wire import StreamCodec
+
+    return StreamCodec(transport_config(config, key).resolve_key())
+
+
+def stream_host(config: ClusterConfig) -> str:
+    """Where a worker's stream server binds: the transport's host, else the node's IP."""
+    from transport.address import reachable_host
+
+    return reachable_host(config.transport.host)
+
+
 def make_sender(config: ClusterConfig, key: str | None):
     try:
         from transport.factory import make_sender as build

@@ -24,7 +24,7 @@ class PrefillWorker(EngineWorker):
     role = "prefill"
 
     async def __init__(self, config, control_plane=None, transport_key: str | None = None) -> None:
-        await super().__init__(config, control_plane)
+        await super().__init__(config, control_plane, transport_key)
         self.sender = wrap_sender(make_sender(self.config, transport_key), self.faults)  # as is unless faults.enabled
         self.start_heartbeat()
 

@@ -1,0 +1,325 @@
+"""The router <-> worker stream over real ZeroMQ sockets on 127.0.0.1: chunks in order,
+cancellation reaching the worker's generator, a killed worker process or a vanished
+router noticed in seconds, and every message a peer without the key (or a replayer)
+sends refused."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+import zmq
+import zmq.asyncio
+from hypothesis import given
+from hypothesis import strategies as st
+
+from router.worker_stream import ReplicaGone, WorkerCallFailed, WorkerStreams
+from workers.engine.sampling_params import SamplingParams
+from workers.protocol import REASONS, GenerateChunk, GenerateRequest
+from workers.stream_server import StreamServer
+from workers.stream_wire import (
+    OPEN,
+    ReplayGuard,
+    StreamAuthError,
+    StreamCodec,
+    StreamRejected,
+    request_from_wire,
+    request_to_wire,
+)
+
+KEY = "stream-test-key-0123456789abcdef"
+
+
+def _request(n: int = 3, request_id: str = "req-1") -> GenerateRequest:
+    return GenerateRequest(request_id=request_id, prompt_token_ids=[5, 6, 7],
+                           params=SamplingParams(max_tokens=n, temperature=0.0, stop=["x"]),
+                           seed=1, route="local", reason="forced", deadline=time.time() + 60)
+
+
+class Worker:
+    """A handler like a worker's `generate`: `max_tokens` chunks, then finished; records
+    whether each generator was closed (the engine request aborted) and why."""
+
+    def __init__(self, delay_s: float = 0.0, fail: bool = False) -> None:
+        self.delay_s, self.fail = delay_s, fail
+        self.closed: list[str] = []
+        self.started = asyncio.Event()
+
+    async def generate(self, req: GenerateRequest):
+        self.started.set()
+        try:
+            for i in range(req.params.max_tokens):
+                if self.fail and i == 1:
+                    raise RuntimeError("engine exploded")
+                await asyncio.sleep(self.delay_s)
+                last = i == req.params.max_tokens - 1
+                yield GenerateChunk(token_ids=[100 + i], text=chr(97 + i % 26), finished=last,
+                                    finish_reason="length" if last else None,
+                                    route="local" if i == 0 else None)
+            self.closed.append("finished")
+        except BaseException as exc:
+            self.closed.append(type(exc).__name__)
+            raise
+
+
+async def _serve(worker: Worker, **kwargs) -> StreamServer:
+    return StreamServer(worker.generate, StreamCodec(KEY), "127.0.0.1", **kwargs).start()
+
+
+async def _until(predicate, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+def test_chunks_arrive_in_order_and_the_call_ends():
+    async def main():
+        worker = Worker()
+        server = await _serve(worker)
+        streams = WorkerStreams(StreamCodec(KEY))
+        try:
+            calls = [streams.call(server.address, _request(5, f"r{i}")) for i in range(8)]
+            outs = await asyncio.gather(*[_collect(c) for c in calls])
+            for chunks in outs:
+                assert [c.token_ids[0] for c in chunks] == [100, 101, 102, 103, 104]
+                assert chunks[-1].finished and chunks[-1].finish_reason == "length"
+                assert chunks[0].route == "local"
+            await _until(lambda: not server.calls)
+            assert worker.closed == ["finished"] * 8 and not server.rejected
+        finally:
+            streams.close()
+            server.close()
+
+    asyncio.run(main())
+
+
+async def _collect(call) -> list[GenerateChunk]:
+    return [chunk async for chunk in call]
+
+
+def test_cancel_closes_the_worker_generator():
+    async def main():
+        worker = Worker(delay_s=0.05)
+        server = await _serve(worker)
+        streams = WorkerStreams(StreamCodec(KEY))
+        try:
+            call = streams.call(server.address, _request(1000))
+            first = await call.__anext__()
+            assert first.token_ids == [100]
+            call.cancel()
+            await _until(lambda: worker.closed)
+            assert worker.closed == ["CancelledError"] and not server.calls
+            with pytest.raises(StopAsyncIteration):
+                await call.__anext__()
+        finally:
+            streams.close()
+            server.close()
+
+    asyncio.run(main())
+
+
+def test_a_failing_generate_reaches_the_router():
+    async def main():
+        server = await _serve(Worker(fail=True))
+        streams = WorkerStreams(StreamCodec(KEY))
+        try:
+            call = streams.call(server.address, _request(5))
+            assert (await call.__anext__()).token_ids == [100]
+            with pytest.raises(WorkerCallFailed, match="engine exploded"):
+                await call.__anext__()
+        finally:
+            streams.close()
+            server.close()
+
+    asyncio.run(main())
+
+
+def test_a_router_without_the_key_is_refused_and_times_out():
+    async def main():
+        worker = Worker()
+        server = await _serve(worker)
+        streams = WorkerStreams(StreamCodec("another-key-0123456789abcdef"), ping_interval_s=0.1,
+                                silence_timeout_s=0.5)
+        try:
+            call = streams.call(server.address, _request(3))
+            with pytest.raises(ReplicaGone, match="stopped answering"):
+                await asyncio.wait_for(call.__anext__(), 5)
+            assert not worker.started.is_set() and server.rejected["auth"] >= 1
+        finally:
+            streams.close()
+            server.close()
+
+    asyncio.run(main())
+
+
+def test_replayed_and_stale_messages_are_refused():
+    async def main():
+        worker = Worker()
+        server = await _serve(worker)
+        codec = StreamCodec(KEY)
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(server.address)
+        try:
+            opened = {"t": OPEN, "id": 7, "req": request_to_wire(_request(2)), "s": "sess", "n": 1,
+                      "ts": time.time()}
+            await sock.send_multipart(codec.seal(opened))
+            replies = [codec.open(await sock.recv_multipart()) for _ in range(3)]
+            assert [r["t"] for r in replies] == ["chunk", "chunk", "end"]
+            await sock.send_multipart(codec.seal(opened))  # the same bytes again
+            await sock.send_multipart(codec.seal({**opened, "n": 2, "ts": time.time() - 3600}))
+            await _until(lambda: server.rejected["rejected"] == 2)
+            assert worker.closed == ["finished"]  # ran once
+        finally:
+            sock.close(linger=0)
+            ctx.term()
+            server.close()
+
+    asyncio.run(main())
+
+
+def _serve_forever(address_queue) -> None:
+    async def main():
+        server = StreamServer(Worker(delay_s=0.02).generate, StreamCodec(KEY), "127.0.0.1").start()
+        address_queue.put(server.address)
+        await asyncio.sleep(3600)
+
+    asyncio.run(main())
+
+
+def test_a_killed_worker_process_fails_its_calls_at_once():
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_serve_forever, args=(queue,), daemon=True)
+    proc.start()
+
+    async def main():
+        streams = WorkerStreams(StreamCodec(KEY))
+        try:
+            call = streams.call(queue.get(timeout=60), _request(100000))
+            await call.__anext__()
+            os.kill(proc.pid, signal.SIGKILL)
+            start = time.monotonic()
+            with pytest.raises(ReplicaGone, match="closed"):
+                async for _ in call:
+                    pass
+            assert time.monotonic() - start < 2.0  # the connection closing, not the ping timeout
+            assert not streams.peers  # the next call dials afresh
+        finally:
+            streams.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        proc.kill()
+        proc.join(10)
+
+
+@pytest.mark.parametrize("connection", ["closed", "silent"])
+def test_a_vanished_router_has_its_calls_cancelled(connection):
+    async def main():
+        worker = Worker(delay_s=0.02)
+        server = await _serve(worker, session_timeout_s=0.5)
+        streams = WorkerStreams(StreamCodec(KEY))
+        try:
+            call = streams.call(server.address, _request(100000))
+            await call.__anext__()
+            for peer in list(streams.peers.values()):  # the router process is gone: no cancel
+                for task in peer.tasks:
+                    task.cancel()
+                if connection == "closed":
+                    peer.sock.close(linger=0)
+            await _until(lambda: worker.closed, timeout_s=5.0)
+            # a closed router: the next send fails and closes the generator (GeneratorExit);
+            # a silent one (a lost machine): no ping for session_timeout_s cancels the call
+            want = "GeneratorExit" if connection == "closed" else "CancelledError"
+            assert worker.closed == [want] and not server.calls
+        finally:
+            streams.close()
+            server.close()
+
+    asyncio.run(main())
+
+
+def test_retain_fails_calls_on_replicas_that_left():
+    async def main():
+        server = await _serve(Worker(delay_s=0.05))
+        streams = WorkerStreams(StreamCodec(KEY))
+        try:
+            call = streams.call(server.address, _request(1000))
+            await call.__anext__()
+            streams.retain(set())
+            with pytest.raises(ReplicaGone, match="left the cluster"):
+                await call.__anext__()
+        finally:
+            streams.close()
+            server.close()
+
+    asyncio.run(main())
+
+
+# ---- the wire ---------------------------------------------------------------------------
+
+requests = st.builds(
+    GenerateRequest,
+    request_id=st.text(max_size=40), prompt_token_ids=st.lists(st.integers(0, 1 << 31), max_size=50),
+    params=st.builds(SamplingParams, max_tokens=st.integers(1, 10000),
+                     temperature=st.floats(0, 2), top_p=st.floats(0.01, 1), top_k=st.integers(0, 100),
+                     seed=st.none() | st.integers(0, 1 << 31), stop=st.lists(st.text(min_size=1), max_size=3),
+                     stop_token_ids=st.lists(st.integers(0, 1000), max_size=3),
+                     ignore_eos=st.booleans(), yield_to_decode=st.booleans()),
+    seed=st.integers(0, 1 << 31), route=st.sampled_from(["local", "disagg"]), reason=st.sampled_from(REASONS),
+    workload=st.text(max_size=20), deadline=st.none() | st.floats(0, 2e9),
+    prefill_timeout_s=st.floats(0.1, 100), target_replica=st.none() | st.text(max_size=20),
+    prefill_replica=st.none() | st.text(max_size=20), detokenize=st.booleans())
+
+
+@given(requests)
+def test_requests_survive_the_wire(req):
+    codec = StreamCodec(KEY)
+    msg = codec.open(codec.seal({"t": OPEN, "req": request_to_wire(req)}))
+    assert request_from_wire(msg["req"]) == req
+
+
+@pytest.mark.parametrize("field, value", [("prompt_token_ids", [1, -2]), ("prompt_token_ids", "abc"),
+                                          ("seed", "1"), ("route", "elsewhere"), ("reason", "because"),
+                                          ("detokenize", 1), ("deadline", "soon")])
+def test_malformed_requests_are_rejected(field, value):
+    raw = request_to_wire(_request())
+    raw[field] = value
+    with pytest.raises(StreamRejected):
+        request_from_wire(raw)
+
+
+def test_bad_params_tampering_and_size_are_rejected():
+    raw = request_to_wire(_request())
+    raw["params"]["max_tokens"] = 0
+    with pytest.raises(StreamRejected, match="max_tokens"):
+        request_from_wire(raw)
+    codec = StreamCodec(KEY)
+    body, mac = codec.seal({"t": "ping"})
+    with pytest.raises(StreamAuthError):
+        codec.open([body[:-1] + b"\x00", mac])
+    with pytest.raises(StreamRejected):
+        codec.open([b"\x00" * (codec.limits.max_body_bytes + 1), mac])
+    with pytest.raises(StreamRejected):  # authentic, but not a message of ours
+        codec.open(codec.seal({"t": "hello"}))
+
+
+def test_replay_guard_forgets_only_what_the_clock_refuses():
+    now = [1000.0]
+    guard = ReplayGuard(window_s=10, clock=lambda: now[0])
+    guard.check({"s": "a", "n": 1, "ts": now[0]})
+    with pytest.raises(StreamRejected):
+        guard.check({"s": "a", "n": 1, "ts": now[0]})
+    for i in range(2000):
+        guard.check({"s": f"s{i}", "n": 1, "ts": now[0]})
+    now[0] += 25
+    guard.check({"s": "fresh", "n": 1, "ts": now[0]})
+    with pytest.raises(StreamRejected):  # forgotten session, but its old message is too old
+        guard.check({"s": "a", "n": 1, "ts": now[0] - 25})

@@ -1,0 +1,180 @@
+"""The worker stream's messages: msgpack maps sealed with HMAC-SHA256.
+
+The router calls a worker replica's `generate` over ZeroMQ (router/worker_stream.py ->
+workers/stream_server.py) instead of a Serve handle, because every handle hop costs a few
+milliseconds on the TTFT path and again on every token. A message is the frames
+`[body, mac]`, `mac` = HMAC-SHA256 over a domain tag and `body`, keyed with the cluster's
+transport key (`PDC_TRANSPORT_KEY`); the tag keeps a stream message from ever verifying
+as a KV-transport header. The MAC is checked before anything is parsed, the parser has
+hard size limits, and nothing on the wire is unpickled.
+
+Replays: every message from a router carries its session (random per router process),
+a sequence number that only grows and its send time; a worker refuses a message stamped
+outside `CLOCK_WINDOW_S` or not newer than the last one of its session (sessions are
+forgotten only once their messages would be refused by time anyway). Replies carry the
+call id (random 63-bit) and the chunk's index within the call, which the router checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import time
+from typing import Any
+
+import msgpack
+
+from workers.engine.sampling_params import SamplingParams
+from workers.protocol import REASONS, GenerateChunk, GenerateRequest
+
+MAC_LEN = 32
+DOMAIN = b"pdc-worker-stream-v1\0"
+CLOCK_WINDOW_S = 60.0  # tolerated clock skew between a router and a worker, and replay horizon
+
+# Router -> worker: OPEN (start a call), CANCEL (abort it), PING (liveness, both ways).
+# Worker -> router: CHUNK (one GenerateChunk of a call), END (the call is over), PONG.
+OPEN, CANCEL, PING, CHUNK, END, PONG = "open", "cancel", "ping", "chunk", "end", "pong"
+KINDS = frozenset((OPEN, CANCEL, PING, CHUNK, END, PONG))
+
+
+class StreamAuthError(Exception):
+    """The MAC did not verify: not from a peer holding the key."""
+
+
+class StreamRejected(Exception):
+    """Authentic but unacceptable: malformed, too large, stale or replayed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamLimits:
+    max_body_bytes: int = 64 << 20  # a prompt of a few million token ids
+    max_array_len: int = 1 << 23  # prompt token ids
+    max_str_len: int = 1 << 20  # text chunk, error message, stop string
+    max_map_len: int = 64
+
+
+class StreamCodec:
+    def __init__(self, key: str | bytes, limits: StreamLimits | None = None) -> None:
+        key = key.encode() if isinstance(key, str) else key
+        if len(key) < 16:
+            raise ValueError("the transport key must be at least 16 bytes")
+        self._key = key
+        self.limits = limits or StreamLimits()
+
+    def __repr__(self) -> str:  # never show the key
+        return f"StreamCodec(limits={self.limits})"
+
+    def seal(self, message: dict[str, Any]) -> list[bytes]:
+        body = msgpack.packb(message, use_bin_type=True)
+        return [body, self._mac(body)]
+
+    def open(self, frames: list[bytes]) -> dict[str, Any]:
+        """Verify, then parse. Raises StreamAuthError or StreamRejected."""
+        if len(frames) != 2:
+            raise StreamRejected(f"expected 2 frames, got {len(frames)}")
+        body, mac = frames
+        if len(body) > self.limits.max_body_bytes:
+            raise StreamRejected(f"message of {len(body)} bytes exceeds the limit")
+        if len(mac) != MAC_LEN or not hmac.compare_digest(self._mac(body), mac):
+            raise StreamAuthError("message MAC does not verify")
+        lim = self.limits
+        try:
+            msg = msgpack.unpackb(body, raw=False, strict_map_key=True, max_bin_len=0, max_ext_len=0,
+                                  max_str_len=lim.max_str_len, max_array_len=lim.max_array_len,
+                                  max_map_len=lim.max_map_len)
+        except Exception as exc:  # noqa: BLE001 - any parse failure is a malformed message
+            raise StreamRejected(f"undecodable message: {type(exc).__name__}") from None
+        if not isinstance(msg, dict) or msg.get("t") not in KINDS:
+            raise StreamRejected("not a stream message")
+        return msg
+
+    def _mac(self, body: bytes) -> bytes:
+        return hmac.new(self._key, DOMAIN + body, hashlib.sha256).digest()
+
+
+class ReplayGuard:
+    """Per router session: the last sequence number seen, kept as long as a replay of it
+    could still pass the clock check."""
+
+    def __init__(self, window_s: float = CLOCK_WINDOW_S, clock=time.time) -> None:
+        self.window_s = window_s
+        self.clock = clock
+        self._last: dict[str, tuple[int, float]] = {}  # session -> (seq, when seen)
+
+    def check(self, msg: dict[str, Any]) -> None:
+        session, seq, sent = msg.get("s"), msg.get("n"), msg.get("ts")
+        if not isinstance(session, str) or not isinstance(seq, int) or not isinstance(sent, (int, float)):
+            raise StreamRejected("message without session, sequence or time")
+        now = self.clock()
+        if abs(now - sent) > self.window_s:
+            raise StreamRejected("message stamped outside the clock window (replayed or clock skew)")
+        last = self._last.get(session)
+        if last is not None and seq <= last[0]:
+            raise StreamRejected("replayed message")
+        self._last[session] = (seq, now)
+        if len(self._last) > 1024:
+            self._forget(now)
+
+    def _forget(self, now: float) -> None:
+        horizon = now - 2 * self.window_s
+        self._last = {s: v for s, v in self._last.items() if v[1] >= horizon}
+
+
+# ---- GenerateRequest / GenerateChunk as plain maps -------------------------------------
+
+_PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def request_to_wire(req: GenerateRequest) -> dict[str, Any]:
+    out = {f.name: getattr(req, f.name) for f in dataclasses.fields(GenerateRequest)}
+    params = req.params
+    out["params"] = {name: getattr(params, name) for name in _PARAM_FIELDS}
+    return out
+
+
+def request_from_wire(raw: Any) -> GenerateRequest:
+    """Raises StreamRejected naming what is wrong."""
+    if not isinstance(raw, dict) or set(raw) != {f.name for f in dataclasses.fields(GenerateRequest)}:
+        raise StreamRejected("request fields do not match")
+    params = raw.get("params")
+    if not isinstance(params, dict) or not set(params) <= set(_PARAM_FIELDS):
+        raise StreamRejected("sampling params fields do not match")
+    _expect(raw, request_id=str, seed=int, route=str, reason=str, workload=str, detokenize=bool,
+            prefill_timeout_s=(int, float))
+    _expect_optional(raw, deadline=(int, float), target_replica=str, prefill_replica=str)
+    ids = raw["prompt_token_ids"]
+    if not isinstance(ids, list) or not all(type(t) is int and t >= 0 for t in ids):
+        raise StreamRejected("prompt_token_ids must be non-negative integers")
+    if raw["route"] not in ("local", "disagg") or raw["reason"] not in REASONS:
+        raise StreamRejected("unknown route or reason")
+    try:
+        raw["params"] = SamplingParams(**params)
+    except (TypeError, ValueError) as exc:
+        raise StreamRejected(f"sampling params: {exc}") from None
+    return GenerateRequest(**raw)
+
+
+def chunk_to_wire(chunk: GenerateChunk) -> dict[str, Any]:
+    return {f.name: getattr(chunk, f.name) for f in dataclasses.fields(GenerateChunk)}
+
+
+def chunk_from_wire(raw: Any) -> GenerateChunk:
+    if not isinstance(raw, dict) or not set(raw) <= {f.name for f in dataclasses.fields(GenerateChunk)}:
+        raise StreamRejected("chunk fields do not match")
+    try:
+        return GenerateChunk(**raw)
+    except TypeError as exc:
+        raise StreamRejected(f"chunk: {exc}") from None
+
+
+def _expect(raw: dict, **types) -> None:
+    for name, kind in types.items():
+        value = raw.get(name)
+        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+            raise StreamRejected(f"request field {name} has the wrong type")
+
+
+def _expect_optional(raw: dict, **types) -> None:
+    _expect({k: raw[k] for k in types if raw.get(k) is not None}, **{k: t for k, t in types.items()
+                                                                    if raw.get(k) is not None})
