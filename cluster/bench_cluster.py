@@ -154,7 +154,8 @@ def run_bench(opts: BenchOptions, log) -> dict:
         runs = _run_all(opts, workloads, urls, log)
         proxied = direct = None
         if opts.overhead_samples > 0:
-            log("router overhead: HTTP through the router vs a Serve handle to the decode replica")
+            log("router overhead: HTTP through the router vs the decode replica called directly "
+                "(a Serve handle, and its worker stream)")
             proxied = measure(urls["pd"], "pd", num_samples=opts.overhead_samples)
             direct_url = cluster.direct_url("pd", "/pd") if opts.direct_ingress else None
             if direct_url:
@@ -258,6 +259,8 @@ def _ratios(results: dict, overhead: dict | None) -> dict:
         ratios[f"auto_goodput_vs_best_{name}"] = _ratio(by_config["auto"]["goodput_rps"], best)
     if overhead is not None:
         ratios["router_overhead_ttft_p50_ms"] = overhead["router_overhead_ttft_p50_ms"]
+        if "router_overhead_vs_stream_p50_ms" in overhead:  # against the replica's worker stream
+            ratios["router_overhead_vs_stream_p50_ms"] = overhead["router_overhead_vs_stream_p50_ms"]
     return ratios
 
 

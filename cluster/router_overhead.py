@@ -1,16 +1,20 @@
 """What the router adds to TTFT: the same request sent over HTTP to the Router ingress,
-and straight to the decode deployment through a Serve handle.
+and straight to the decode replica, both through a Serve handle (how a Ray program
+calls a deployment) and over the worker stream (how the router itself calls it).
 
 Each path is timed by its natural client: the HTTP requests by a plain client process
-(no Ray in it, as a user's), the handle calls by this process (a Ray driver). The two
-take turns, one request at a time, each with its own random prompt (no prefix-cache
-hit on either path), so the difference of the two p50s is the cost of the HTTP hop,
-tokenisation-free routing and SSE framing. (An HTTP client inside the driver shares it
+(no Ray in it, as a user's), the direct calls by this process (a Ray driver). The
+paths take turns, one request at a time, each with its own random prompt (no prefix-
+cache hit on any path), so the difference of two p50s is the cost of the HTTP hop,
+tokenisation-free routing and SSE framing, plus the router's own call to the replica
+where the direct path calls it differently. (An HTTP client inside the driver shares it
 with Serve's handle threads and measured ~1 ms slower.)"""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -47,13 +51,17 @@ def http_ttft_s(http: httpx.Client, url: str, prompt: list[int], max_tokens: int
     return ttft
 
 
-def handle_ttft_s(handle, prompt: list[int], max_tokens: int) -> float:
+def _direct_request(prompt: list[int], max_tokens: int):
     from workers.engine.sampling_params import SamplingParams
     from workers.protocol import GenerateRequest
 
-    req = GenerateRequest(request_id=f"overhead-{uuid.uuid4().hex[:8]}", prompt_token_ids=prompt,
-                          params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-                          seed=0, route="local", reason="forced")
+    return GenerateRequest(request_id=f"overhead-{uuid.uuid4().hex[:8]}", prompt_token_ids=prompt,
+                           params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                           seed=0, route="local", reason="forced")
+
+
+def handle_ttft_s(handle, prompt: list[int], max_tokens: int) -> float:
+    req = _direct_request(prompt, max_tokens)
     start = time.perf_counter()
     ttft = None
     for chunk in handle.options(stream=True).generate.remote(req):
@@ -116,37 +124,127 @@ def _client_main(url: str) -> None:
 
 def measure(url: str, app_name: str, num_samples: int = 30, prompt_len: int = 64, max_tokens: int = 2,
             num_warmup: int = 3, seed: int = 0, deployment: str = "DecodeWorker") -> dict:
-    """p50/p90 TTFT of both paths and `router_overhead_ttft_p50_ms` (their p50 difference)."""
+    """p50/p90 TTFT of every path and `router_overhead_ttft_p50_ms` (router p50 minus the
+    handle's); with a worker stream, `router_overhead_vs_stream_p50_ms` as well."""
     from ray import serve
 
     handle = serve.get_deployment_handle(deployment, app_name=app_name)
     rng = random.Random(seed)
-    via_router, direct, pairs = [], [], []
-    with httpx.Client(timeout=60) as http, HttpClientProcess(url) as client:
+    times: dict[str, list[float]] = {}
+    with httpx.Client(timeout=60) as http, HttpClientProcess(url) as client, \
+            DirectStream.open(app_name) as stream:
+        paths = {"router": lambda: client.ttft_s(_prompt(rng, prompt_len), max_tokens),
+                 "direct": lambda: handle_ttft_s(handle, _prompt(rng, prompt_len), max_tokens)}
+        if stream is not None:
+            paths["stream"] = lambda: stream.ttft_s(_prompt(rng, prompt_len), max_tokens)
         for i in range(num_warmup + num_samples):
             if i == num_warmup:
                 before = router_ttft_sum_count(http, url)
-            pair = [("router", lambda: client.ttft_s(_prompt(rng, prompt_len), max_tokens)),
-                    ("direct", lambda: handle_ttft_s(handle, _prompt(rng, prompt_len), max_tokens))]
-            values = {}
-            for name, call in pair if i % 2 else reversed(pair):
-                values[name] = call()
+            order = list(paths)[i % len(paths):] + list(paths)[:i % len(paths)]  # rotate who goes first
+            for name in order:
+                value = paths[name]()
+                if i >= num_warmup:
+                    times.setdefault(name, []).append(value)
                 time.sleep(0.05)
-            if i >= num_warmup:
-                via_router.append(values["router"])
-                direct.append(values["direct"])
-                pairs.append(values["router"] - values["direct"])
         after = router_ttft_sum_count(http, url)
-    router_p50, direct_p50 = _ms(statistics.median(via_router)), _ms(statistics.median(direct))
-    return {"num_samples": num_samples, "prompt_len": prompt_len, "max_tokens": max_tokens,
-            "router_ttft_p50_ms": router_p50, "direct_ttft_p50_ms": direct_p50,
-            "router_ttft_p90_ms": _ms(_p90(via_router)), "direct_ttft_p90_ms": _ms(_p90(direct)),
-            # the router's own TTFT (its arrival -> first chunk; mean, from /metrics): the
-            # rest of the client's TTFT is the HTTP proxy and the client's own HTTP
-            "router_side_ttft_mean_ms": _mean_ms(before, after),
-            "router_overhead_ttft_p50_ms": round(router_p50 - direct_p50, 3),
-            # the same, from back-to-back pairs (less sensitive to the machine's drift)
-            "router_overhead_paired_p50_ms": _ms(statistics.median(pairs))}
+    return _summary(times, num_samples, prompt_len, max_tokens, _mean_ms(before, after))
+
+
+def _summary(times: dict[str, list[float]], num_samples: int, prompt_len: int, max_tokens: int,
+             router_side_mean_ms: float | None) -> dict:
+    p50 = {name: _ms(statistics.median(values)) for name, values in times.items()}
+    out = {"num_samples": num_samples, "prompt_len": prompt_len, "max_tokens": max_tokens,
+           "router_ttft_p50_ms": p50["router"], "direct_ttft_p50_ms": p50["direct"],
+           "router_ttft_p90_ms": _ms(_p90(times["router"])), "direct_ttft_p90_ms": _ms(_p90(times["direct"])),
+           # the router's own TTFT (its arrival -> first chunk; mean, from /metrics): the
+           # rest of the client's TTFT is the HTTP proxy and the client's own HTTP
+           "router_side_ttft_mean_ms": router_side_mean_ms,
+           "router_overhead_ttft_p50_ms": round(p50["router"] - p50["direct"], 3),
+           # the same, from back-to-back pairs (less sensitive to the machine's drift)
+           "router_overhead_paired_p50_ms": _paired_ms(times["router"], times["direct"])}
+    if "stream" in times:  # the decode replica called the way the router calls it
+        out.update(direct_stream_ttft_p50_ms=p50["stream"],
+                   direct_stream_ttft_p90_ms=_ms(_p90(times["stream"])),
+                   router_overhead_vs_stream_p50_ms=round(p50["router"] - p50["stream"], 3),
+                   router_overhead_vs_stream_paired_p50_ms=_paired_ms(times["router"], times["stream"]))
+    return out
+
+
+def _paired_ms(a: list[float], b: list[float]) -> float:
+    return _ms(statistics.median(x - y for x, y in zip(a, b, strict=True)))
+
+
+class DirectStream:
+    """The decode replica's worker stream, called from this (synchronous) driver through
+    an event loop on a thread of its own; `open` yields None when the app has no stream
+    or this process lacks the transport key."""
+
+    def __init__(self, address: str, codec) -> None:
+        import asyncio
+        import threading
+
+        from router.worker_stream import WorkerStreams
+
+        self.address = address
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="direct-stream", daemon=True)
+        self.thread.start()
+        self.streams = WorkerStreams(codec)
+
+    @classmethod
+    @contextlib.contextmanager
+    def open(cls, app_name: str):
+        address, key = _stream_address(app_name), os.environ.get("PDC_TRANSPORT_KEY")
+        if not address or not key:
+            yield None
+            return
+        from workers.stream_wire import StreamCodec
+
+        direct = cls(address, StreamCodec(key))
+        try:
+            yield direct
+        finally:
+            direct.close()
+
+    def ttft_s(self, prompt: list[int], max_tokens: int) -> float:
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(self._ttft_s(prompt, max_tokens), self.loop).result(60)
+
+    async def _ttft_s(self, prompt: list[int], max_tokens: int) -> float:
+        start = time.perf_counter()
+        ttft = None
+        async for chunk in self.streams.call(self.address, _direct_request(prompt, max_tokens)):
+            if ttft is None and (chunk.token_ids or chunk.text):
+                ttft = time.perf_counter() - start
+            if chunk.error is not None:
+                raise RuntimeError(f"decode replica error: {chunk.error}")
+        if ttft is None:
+            raise RuntimeError("no content chunk from the decode replica's stream")
+        return ttft
+
+    def close(self) -> None:
+        import asyncio
+
+        async def stop() -> None:
+            self.streams.close()
+
+        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def _stream_address(app_name: str) -> str | None:
+    """The decode replica's advertised worker-stream address, from the app's ControlPlane."""
+    from ray import serve
+
+    try:
+        control_plane = serve.get_deployment_handle("ControlPlane", app_name=app_name)
+        state = control_plane.get_state.remote(0).result(timeout_s=30)
+    except Exception:  # noqa: BLE001 - an app without one (the echo deployment)
+        return None
+    return next((r.extra.get("stream_address") for r in state.replicas
+                 if r.role == "decode" and r.extra.get("stream_address")), None)
 
 
 def router_ttft_sum_count(http: httpx.Client, url: str) -> tuple[float, float]:

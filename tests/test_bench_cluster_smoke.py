@@ -90,4 +90,6 @@ def test_bench_cluster_quick_prints_json(tmp_path):
     overhead = report["router_overhead"]
     assert overhead["router_ttft_p50_ms"] > 0 and overhead["direct_ttft_p50_ms"] > 0
     assert isinstance(overhead["router_overhead_paired_p50_ms"], float)
+    assert overhead["direct_stream_ttft_p50_ms"] > 0  # the decode replica's stream, called directly
+    assert "router_overhead_vs_stream_p50_ms" in report["ratios"]
     assert report["run_time_s"] > 0 and report["machine"]["cores"] >= 1

@@ -30,6 +30,19 @@ def test_medians_skip_missing_figures():
     assert _medians(runs) == {"router_ttft_p50_ms": 80.0, "router_side_ttft_mean_ms": 71.0}
 
 
+def test_summary_reports_every_path_against_the_router():
+    from cluster.router_overhead import _summary
+
+    times = {"router": [0.020, 0.022, 0.030], "direct": [0.015, 0.019, 0.016], "stream": [0.012, 0.013, 0.020]}
+    out = _summary(times, 3, 64, 2, None)
+    assert out["router_overhead_ttft_p50_ms"] == 6.0  # 22 - 16
+    assert out["router_overhead_vs_stream_p50_ms"] == 9.0  # 22 - 13
+    assert out["router_overhead_paired_p50_ms"] == 5.0  # median of 5, 3, 14
+    assert out["router_overhead_vs_stream_paired_p50_ms"] == 9.0  # median of 8, 9, 10
+    without = _summary({k: v for k, v in times.items() if k != "stream"}, 3, 64, 2, None)
+    assert "router_overhead_vs_stream_p50_ms" not in without
+
+
 def test_http_path_times_the_first_token_event():
     """A first chunk without text (an incomplete UTF-8 byte) still carries its token id."""
     seen = {}
