@@ -5,11 +5,13 @@
 router/dispatch.py treats both alike. One DEALER socket per replica address, shared by
 every call to it, with one reader task that hands each chunk to its call.
 
-A replica that dies is noticed three ways, whichever comes first: ZeroMQ reports the
-connection closed (a killed process), the replica stops answering the pings sent every
-`ping_interval_s` for `silence_timeout_s` (a lost machine), or the view drops it
-(`retain`). Every open call on it then raises `ReplicaGone`, which dispatch retries on
-another replica when no chunk has arrived yet, exactly as for a dead Serve replica.
+A replica that dies is noticed two ways, whichever comes first: ZeroMQ reports the
+connection closed (a killed process), or the replica stops answering the pings sent
+every `ping_interval_s` for `silence_timeout_s` (a lost machine). Every open call on it
+then raises `ReplicaGone`, which dispatch retries on another replica when no chunk has
+arrived yet, exactly as for a dead Serve replica. A replica shutting down refuses new
+calls the same way and finishes the open ones; `retain` closes a peer the view dropped
+once it has no call open.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from workers.protocol import GenerateChunk, GenerateRequest
 from workers.stream_wire import (
     CANCEL,
     CHUNK,
+    DRAINING,
     END,
     OPEN,
     PING,
@@ -87,6 +90,8 @@ class StreamCall:
         self._next_index += 1
         if msg["t"] == CHUNK:
             self._queue.put_nowait(chunk_from_wire(msg.get("c")))
+        elif msg.get("error") == DRAINING and self._next_index == 1:  # refused before any chunk
+            self._queue.put_nowait(ReplicaGone(f"the replica at {self._peer.address} is shutting down"))
         elif msg.get("error"):
             self._queue.put_nowait(WorkerCallFailed(str(msg["error"])))
         else:
@@ -121,8 +126,10 @@ class WorkerStreams:
         return call
 
     def retain(self, addresses: set[str]) -> None:
-        """Close the peers the cluster view no longer has; their calls raise ReplicaGone."""
-        for address in [a for a in self.peers if a not in addresses]:
+        """Close the idle peers the cluster view no longer has. One with calls open stays
+        until they end: a draining replica finishes them (a dead one is noticed by the
+        connection closing or by its silence, and its calls fail then)."""
+        for address in [a for a, p in self.peers.items() if a not in addresses and not p.calls]:
             self.peers.pop(address).close(ReplicaGone(f"replica at {address} left the cluster"))
 
     def close(self) -> None:

@@ -246,16 +246,43 @@ def test_a_vanished_router_has_its_calls_cancelled(connection):
     asyncio.run(main())
 
 
-def test_retain_fails_calls_on_replicas_that_left():
+def test_retain_closes_only_idle_peers_the_view_dropped():
     async def main():
-        server = await _serve(Worker(delay_s=0.05))
+        server = await _serve(Worker(delay_s=0.01))
         streams = WorkerStreams(StreamCodec(KEY))
         try:
-            call = streams.call(server.address, _request(1000))
+            call = streams.call(server.address, _request(20))
             await call.__anext__()
+            streams.retain(set())  # a draining replica left the registry: its call goes on
+            assert len(await _collect(call)) == 19 and server.address in streams.peers
             streams.retain(set())
-            with pytest.raises(ReplicaGone, match="left the cluster"):
-                await call.__anext__()
+            assert not streams.peers
+        finally:
+            streams.close()
+            server.close()
+
+    asyncio.run(main())
+
+
+def test_a_draining_worker_finishes_open_calls_and_refuses_new_ones():
+    async def main():
+        worker = Worker(delay_s=0.02)
+        server = await _serve(worker)
+        streams = WorkerStreams(StreamCodec(KEY))
+        try:
+            open_call = streams.call(server.address, _request(20))
+            await open_call.__anext__()
+            drained = asyncio.ensure_future(server.drain(timeout_s=10))
+            await asyncio.sleep(0.05)
+            with pytest.raises(ReplicaGone, match="shutting down"):  # dispatch retries elsewhere
+                await streams.call(server.address, _request(3, "late")).__anext__()
+            assert len(await _collect(open_call)) == 19
+            assert await drained == 0 and worker.closed == ["finished"]
+            stuck = StreamServer(Worker(delay_s=1.0).generate, StreamCodec(KEY), "127.0.0.1").start()
+            streams.call(stuck.address, _request(100))
+            await _until(lambda: stuck.calls)
+            assert await stuck.drain(timeout_s=0.2) == 1  # gives up after its budget
+            stuck.close()
         finally:
             streams.close()
             server.close()

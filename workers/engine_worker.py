@@ -26,6 +26,7 @@ from workers.stream_server import StreamServer
 
 log = logging.getLogger("pdcluster.worker")
 HEARTBEAT_INTERVAL_S = 0.5
+STREAM_DRAIN_S = 3.0  # within cluster.app.GRACEFUL_SHUTDOWN_S, after which Serve kills the replica
 
 
 class EngineWorker:
@@ -173,11 +174,22 @@ class EngineWorker:
                 registered = False
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
-    def __del__(self) -> None:
+    async def __del__(self) -> None:
+        """Serve's graceful shutdown (scale-down, redeploy). Serve waits only for the calls
+        it routed, so: leave the registry (routers stop choosing this replica at their
+        next poll), refuse new stream calls (their routers retry elsewhere), let the open
+        ones finish within Serve's shutdown budget, then stop the engine."""
         self._closed = True
-        if getattr(self, "stream_server", None) is not None:
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+        if self.control_plane is not None:
             with contextlib.suppress(Exception):
-                self.stream_server.close()
+                await asyncio.wait_for(self.control_plane.deregister.remote(self.replica_id), 1.0)
+        if self.stream_server is not None:
+            left = await self.stream_server.drain(STREAM_DRAIN_S)
+            if left:
+                log.warning("shutting down with %d stream calls still open", left)
+            self.stream_server.close()
         with contextlib.suppress(Exception):
             self.engine.shutdown(timeout_s=1.0)
 

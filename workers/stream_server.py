@@ -8,8 +8,9 @@ the replica itself (router/planner.py), so Serve's routing has nothing to add.
 
 Lifetimes: a CANCEL, a router that stops pinging for `session_timeout_s`, or a send that
 finds the router gone cancels the call, which closes the worker's generator and so
-aborts the engine request, exactly as a cancelled Serve call does. The socket binds
-the configured transport host only.
+aborts the engine request, exactly as a cancelled Serve call does. `drain` (Serve's
+graceful shutdown) refuses new calls, which their routers retry on another replica,
+and waits for the open ones. The socket binds the configured transport host only.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from workers.protocol import GenerateChunk, GenerateRequest
 from workers.stream_wire import (
     CANCEL,
     CHUNK,
+    DRAINING,
     END,
     OPEN,
     PING,
@@ -66,12 +68,22 @@ class StreamServer:
         self.calls: dict[tuple[bytes, int], asyncio.Task] = {}
         self._heard: dict[bytes, float] = {}  # router identity -> last message (monotonic)
         self.rejected: Counter[str] = Counter()
+        self.draining = False
         self._tasks: list[asyncio.Task] = []
 
     def start(self) -> StreamServer:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._serve()), loop.create_task(self._reap())]
         return self
+
+    async def drain(self, timeout_s: float) -> int:
+        """Refuse new calls and wait up to `timeout_s` for the open ones to finish;
+        returns how many are still open."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.calls and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return len(self.calls)
 
     def close(self) -> None:
         for task in [*self._tasks, *self.calls.values()]:
@@ -103,7 +115,9 @@ class StreamServer:
             return
         if not isinstance(call_id, int):
             raise StreamRejected("message without a call id")
-        if kind == OPEN:
+        if kind == OPEN and self.draining:
+            self._send(identity, {"t": END, "id": call_id, "i": 0, "error": DRAINING})
+        elif kind == OPEN:
             request = request_from_wire(msg.get("req"))
             if (identity, call_id) in self.calls:
                 raise StreamRejected("call id already open")

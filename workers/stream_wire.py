@@ -36,6 +36,7 @@ CLOCK_WINDOW_S = 60.0  # tolerated clock skew between a router and a worker, and
 # Worker -> router: CHUNK (one GenerateChunk of a call), END (the call is over), PONG.
 OPEN, CANCEL, PING, CHUNK, END, PONG = "open", "cancel", "ping", "chunk", "end", "pong"
 KINDS = frozenset((OPEN, CANCEL, PING, CHUNK, END, PONG))
+DRAINING = "draining"  # END.error of a call refused by a replica that is shutting down
 
 
 class StreamAuthError(Exception):
