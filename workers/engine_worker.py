@@ -100,6 +100,9 @@ class EngineWorker:
         stats = await self.engine.stats()
         stats.update(num_inflight=self.num_inflight,
                      num_open_reservations=self.engine.num_open_reservations)
+        if self.stream_server is not None:
+            stats.update(num_stream_calls=len(self.stream_server.calls),
+                         num_stream_rejected=sum(self.stream_server.rejected.values()))
         return stats
 
     async def check_integrity(self) -> dict:

@@ -39,7 +39,7 @@ def idle_violations(state: dict[str, Any]) -> list[str]:
     """Empty when the replica holds nothing: every block free, nothing pending."""
     problems = [f"{name}={state.get(name)}" for name in
                 ("num_running", "num_waiting", "num_open_reservations", "num_pending_transfers",
-                 "num_streams", "num_inflight") if state.get(name, 0)]
+                 "num_streams", "num_inflight", "num_stream_calls") if state.get(name, 0)]
     if state.get("kv_blocks_free") != state.get("kv_blocks_total"):
         problems.append(f"kv_blocks_free={state.get('kv_blocks_free')}/{state.get('kv_blocks_total')}")
     return problems

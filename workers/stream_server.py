@@ -133,7 +133,9 @@ class StreamServer:
     def _reject(self, exc: Exception) -> None:
         kind = "auth" if isinstance(exc, StreamAuthError) else "rejected"
         self.rejected[kind] += 1
-        log.warning("worker stream: dropped a message (%s: %s)", kind, exc)
+        count = self.rejected[kind]
+        if count & (count - 1) == 0:  # the 1st, 2nd, 4th, 8th...: a flood cannot flood the log
+            log.warning("worker stream: dropped a message (%s: %s; %d so far)", kind, exc, count)
 
     # ---- one call --------------------------------------------------------------------
 
