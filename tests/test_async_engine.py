@@ -114,6 +114,9 @@ class _DirectSink:
     def new_digest(self):
         return None
 
+    def export_buffer(self, nbytes):
+        return None
+
     def on_layer(self, layer_idx, kv, checksum=None):
         t = threading.Thread(target=self.target.write_kv_layer, args=(self.reservation, layer_idx, kv))
         t.start()

@@ -59,17 +59,23 @@ def test_the_digest_sees_the_source_bytes_in_order(block_ids, dtype, chunk, cont
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(0, 31), unique=True, max_size=20),
        st.sampled_from([torch.float32, torch.bfloat16]), st.sampled_from([1, 40, 4096, 1 << 20]),
-       st.booleans())
-def test_export_copy_equals_index_select_and_its_digest_the_payload(block_ids, dtype, chunk, hashed):
+       st.booleans(), st.booleans())
+def test_export_copy_equals_index_select_and_its_digest_the_payload(block_ids, dtype, chunk, hashed,
+                                                                      into_buffer):
+    """Also into a reused export buffer (stale bytes in it, as a lent one has): the result
+    is a view of that buffer, every byte of it overwritten."""
     layer = torch.randn(2, 32, 4, 2, 8).to(dtype)
     expected = layer.index_select(1, torch.tensor(block_ids, dtype=torch.long))
     digest = xxhash.xxh3_64() if hashed else None
+    buffer = torch.full((expected.numel() * expected.element_size(),), 0xAB, dtype=torch.uint8)
     original, kv_cache.DIGEST_CHUNK_BYTES = kv_cache.DIGEST_CHUNK_BYTES, chunk
     try:
-        out = copy_from_blocks(layer, block_ids, digest)
+        out = copy_from_blocks(layer, block_ids, digest, buffer if into_buffer else None)
     finally:
         kv_cache.DIGEST_CHUNK_BYTES = original
     assert out.is_contiguous() and out.dtype == dtype
+    if into_buffer:
+        assert out.data_ptr() == buffer.data_ptr()
     assert torch.equal(out.view(torch.uint8), expected.view(torch.uint8))
     if hashed:
         assert digest.intdigest() == xxhash.xxh3_64_intdigest(expected.view(torch.uint8).numpy().tobytes())

@@ -198,6 +198,11 @@ class SenderSink(ABC):
         while it exports a layer, so the sender does not read the layer a second time."""
         return new_payload_digest()
 
+    def export_buffer(self, nbytes: int) -> torch.Tensor | None:
+        """None: the engine exports into a fresh tensor. A sink whose sender knows when
+        its sends are done lends a reusable buffer instead (`ChannelSink`)."""
+        return None
+
     @abstractmethod
     def on_layer(self, layer_idx: int, kv: torch.Tensor, checksum: int | None = None) -> None: ...
 

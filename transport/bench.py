@@ -373,6 +373,9 @@ class _TimedSink:
     def new_digest(self):
         return self.inner.new_digest()
 
+    def export_buffer(self, nbytes: int) -> torch.Tensor | None:
+        return self.inner.export_buffer(nbytes)
+
     def on_layer(self, layer_idx: int, kv: torch.Tensor, checksum: int | None = None) -> None:
         self.inner.on_layer(layer_idx, kv, checksum)
 

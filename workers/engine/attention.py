@@ -85,10 +85,13 @@ def write_kv(meta: AttentionMetadata, layer_idx: int, key: torch.Tensor, value: 
 
 def export_layer(kv_cache: KVCache, layer_idx: int, export: KVExport) -> None:
     """Hand one layer of a request's blocks to its sink, with the payload checksum made
-    during the copy when the sink wants one and the cache is in host memory."""
+    during the copy when the sink wants one and the cache is in host memory, copied into
+    the buffer the sink lends for it, if it lends one."""
     on_cpu = kv_cache.layers[layer_idx].device.type == "cpu"
     digest = export.sink.new_digest() if on_cpu else None
-    kv = kv_cache.read_blocks(layer_idx, export.block_ids, digest)
+    nbytes = kv_cache.layout.layer_nbytes(len(export.block_ids))
+    out = export.sink.export_buffer(nbytes) if on_cpu else None
+    kv = kv_cache.read_blocks(layer_idx, export.block_ids, digest, out)
     export.sink.on_layer(layer_idx, kv, None if digest is None else digest.intdigest())
 
 

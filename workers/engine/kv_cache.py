@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
+import math
 
 import torch
 
@@ -93,11 +94,12 @@ class KVCache:
         kv = self.layers[layer_idx]
         return kv.view(2, -1, *kv.shape[3:])
 
-    def read_blocks(self, layer_idx: int, block_ids: list[int],
-                    digest: ByteDigest | None = None) -> torch.Tensor:
-        """A fresh contiguous copy of the given blocks: `layout.layer_shape(len(block_ids))`.
+    def read_blocks(self, layer_idx: int, block_ids: list[int], digest: ByteDigest | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+        """A contiguous copy of the given blocks: `layout.layer_shape(len(block_ids))`, in
+        `out` (a host byte buffer) when given and the cache is in host memory.
         `digest`, if given, is fed the copy's bytes in order (see `copy_from_blocks`)."""
-        return copy_from_blocks(self.layers[layer_idx], block_ids, digest)
+        return copy_from_blocks(self.layers[layer_idx], block_ids, digest, out)
 
     def write_blocks(self, layer_idx: int, block_ids: list[int], kv: torch.Tensor,
                      digest: ByteDigest | None = None) -> None:
@@ -180,27 +182,44 @@ def _copy_pieces(layer: torch.Tensor, block_ids: list[int], pieces: tuple[torch.
                 piece, pos = piece + 1, 0
 
 
-def copy_from_blocks(layer: torch.Tensor, block_ids: list[int],
-                     digest: ByteDigest | None = None) -> torch.Tensor:
-    """`layer[:, block_ids]` as a fresh contiguous tensor: the mirror of `copy_into_blocks`.
+def copy_from_blocks(layer: torch.Tensor, block_ids: list[int], digest: ByteDigest | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """`layer[:, block_ids]` as a contiguous tensor: the mirror of `copy_into_blocks`.
 
     `digest`, if given, is fed every byte of the result in order, each piece right after
     it is written (on CPU), so a transport's payload checksum comes with the export copy
     instead of a second pass over the layer on the sending thread. On GPU no digest is fed
-    (hashing would cost a device-to-host copy; GPU payloads carry no checksum)."""
+    (hashing would cost a device-to-host copy; GPU payloads carry no checksum).
+
+    `out`: a contiguous uint8 CPU tensor of exactly the result's bytes (a sender's reused
+    export buffer, already paged in) that the result is a view of, for a CPU layer; the
+    result is a fresh tensor when it is None or the layer is not in host memory."""
     if block_ids and not 0 <= min(block_ids) <= max(block_ids) < layer.shape[1]:
         raise ValueError(f"block ids outside [0, {layer.shape[1]})")  # a memmove must never overrun
     if layer.device.type != "cpu" or not layer.is_contiguous():
         index = torch.tensor(block_ids, dtype=torch.long, device=layer.device)
-        out = layer.index_select(1, index)
-        if digest is not None and out.device.type == "cpu":
-            digest.update(tensor_bytes(out))
-        return out
-    out = torch.empty((2, len(block_ids), *layer.shape[2:]), dtype=layer.dtype)
+        result = layer.index_select(1, index)
+        if digest is not None and result.device.type == "cpu":
+            digest.update(tensor_bytes(result))
+        return result
+    out = _export_destination((2, len(block_ids), *layer.shape[2:]), layer.dtype, out)
     written = tensor_bytes(out) if digest is not None else None
     for layer_offset, out_offset, nbytes in _block_spans(layer, block_ids):
         memmove_hashed(out.data_ptr(), out_offset, layer.data_ptr() + layer_offset, nbytes, written, digest)
     return out
+
+
+def _export_destination(shape: tuple[int, ...], dtype: torch.dtype,
+                        out: torch.Tensor | None) -> torch.Tensor:
+    """`out` viewed as a `dtype` tensor of `shape`, or a fresh one; raises unless `out` is
+    a contiguous uint8 CPU buffer of exactly that many bytes (a memmove must never overrun)."""
+    if out is None:
+        return torch.empty(shape, dtype=dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if out.device.type != "cpu" or out.dtype != torch.uint8 or not out.is_contiguous() \
+            or out.numel() != nbytes:
+        raise ValueError(f"an export buffer must be {nbytes} contiguous host bytes")
+    return out.view(dtype).view(shape)
 
 
 def memmove_hashed(base: int, offset: int, src: int, nbytes: int, written: memoryview | None,

@@ -50,7 +50,8 @@ class KVSink(Protocol):
     """Receives a request's prompt KV from the prefill engine, layer by layer.
 
     Called on the engine's step thread; implementations must return quickly (hand the
-    tensor to a sender thread). `kv` is a fresh contiguous tensor owned by the sink.
+    tensor to a sender thread). `kv` is a contiguous tensor owned by the sink: fresh, or a
+    view of the buffer the sink lent for it with `export_buffer`.
     Blocks before `start_block` are not sent (the receiver already caches them).
     """
 
@@ -59,6 +60,12 @@ class KVSink(Protocol):
     def new_digest(self) -> ByteDigest | None:
         """A fresh digest of the transport's payload checksum, for the engine to feed a
         layer's bytes while it copies them out of the blocks; None if the sink wants none."""
+
+    def export_buffer(self, nbytes: int) -> torch.Tensor | None:
+        """A contiguous uint8 host buffer of exactly `nbytes` for the engine to copy the
+        next layer into, or None for a fresh tensor. The engine then passes a view of it as
+        that layer's `on_layer` `kv` and never touches it again: the sink reuses it once
+        its transport no longer reads it. Asked only for a cache in host memory."""
 
     def on_layer(self, layer_idx: int, kv: torch.Tensor, checksum: int | None = None) -> None:
         """`checksum`: the `new_digest()` result over `kv`'s bytes, when the engine made one."""
