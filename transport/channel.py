@@ -4,6 +4,11 @@ Engine step threads hand layers to `ChannelSink`s, which queue them here and ret
 once; the channel thread sends them in order, reads the receiver's ACK/NACK/RELEASE
 replies, enforces each transfer's deadline, and fails every open transfer with
 `PeerGone` when the TCP connection drops.
+
+A layer the engine exported into a buffer its sink lent (the sender's `ExportPool`) gives
+it back once nothing reads it: the data path's send returned and libzmq let go of the
+zero-copy frames (their `MessageTracker`), at once if it was never sent; a send that
+failed part-way leaves it to whoever may still read it, never to the next layer.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +37,7 @@ from transport.base import (
     error_from_wire,
 )
 from transport.datapath import SendPath
+from transport.export_pool import NO_LEASE, ExportLease, ExportPool, SinkLender
 from transport.metrics import TransportMetrics
 from transport.wire import ABORT, ACK, DONE, LAYER, NACK, RELEASE, Header, WireCodec
 from workers.engine.kv_types import KVLayout
@@ -78,16 +85,24 @@ class ChannelSink(SenderSink):
         self.next_seq = 0
         self.nbytes = 0
         self._channel = channel
+        self._lender = SinkLender(channel.export_pool)
+
+    def export_buffer(self, nbytes: int) -> torch.Tensor | None:
+        return self._lender.lend(nbytes)
 
     def on_layer(self, layer_idx: int, kv: torch.Tensor, checksum: int | None = None) -> None:
-        if not self.done:
-            self._channel.submit(self, LAYER, (layer_idx, kv, checksum))
+        lease = self._lender.claim(kv)
+        if self.done:
+            lease.release()
+            return
+        self._channel.submit(self, LAYER, (layer_idx, kv, checksum), lease)
 
     def on_complete(self, first_token_id: int) -> None:
         if not self.done:
             self._channel.submit(self, DONE, int(first_token_id))
 
     def on_abort(self, reason: str) -> None:
+        self._lender.drop_unclaimed()
         if self.fail(TransferAborted(f"prefill aborted: {reason}", "prefill_abort",
                                      self.transfer_id)):
             self._channel.submit(self, ABORT, reason)
@@ -98,14 +113,17 @@ class _Item:
     sink: ChannelSink
     kind: str
     arg: object
+    lease: ExportLease = NO_LEASE  # the lent buffer a LAYER's kv lives in, if any
 
 
 class PeerChannel(threading.Thread):
     def __init__(self, ctx: zmq.Context, address: PeerAddress, path: SendPath, codec: WireCodec,
-                 metrics: TransportMetrics, connect_timeout_s: float) -> None:
+                 metrics: TransportMetrics, connect_timeout_s: float,
+                 export_pool: ExportPool | None = None) -> None:
         super().__init__(name=f"kv-send-{address.host}:{address.port}", daemon=True)
         self.address, self.path, self.codec, self.metrics = address, path, codec, metrics
         self.connect_timeout_s = connect_timeout_s
+        self.export_pool = export_pool or ExportPool()  # the sender's, shared by its channels
         self.broken = False  # set when unusable; the sender then opens a fresh channel
         self._ctx = ctx
         self._outbox: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
@@ -122,12 +140,14 @@ class PeerChannel(threading.Thread):
         self.submit(sink, "open", None)
         return sink
 
-    def submit(self, sink: ChannelSink, kind: str, arg: object) -> None:
+    def submit(self, sink: ChannelSink, kind: str, arg: object,
+               lease: ExportLease = NO_LEASE) -> None:
         if self.broken:
             sink.fail(PeerGone(f"connection to {self.address.endpoint} is closed",
                                transfer_id=sink.transfer_id))
+            lease.release()
             return
-        self._outbox.put(_Item(sink, kind, arg))
+        self._outbox.put(_Item(sink, kind, arg, lease))
         self._waker.wake()
 
     def stop(self) -> None:
@@ -203,10 +223,11 @@ class PeerChannel(threading.Thread):
             self._sinks[sink.transfer_id] = sink
             return
         if sink.transfer_id not in self._sinks:
+            item.lease.release()  # never sent: nothing reads the buffer
             return  # already resolved (failed or timed out); drop its remaining work
         try:
             if item.kind == LAYER:
-                self._send_layer(sock, sink, *item.arg)
+                item.lease.release_when(self._send_layer(sock, sink, *item.arg))
             elif item.kind == DONE:
                 self._send(sock, sink, Header(DONE, sink.transfer_id, first_token_id=item.arg))
             elif item.kind == ABORT:
@@ -215,6 +236,8 @@ class PeerChannel(threading.Thread):
             self._resolve(sink, exc)
             self._abort(sock, sink, exc.kind, exc.reason, str(exc))
             self._check_path()
+        finally:
+            item.lease.discard()  # a send that failed part-way may still read it (no-op if settled)
 
     def _check_path(self) -> None:
         """A data path whose stream fell out of step (a process group) is not reused."""
@@ -223,7 +246,9 @@ class PeerChannel(threading.Thread):
             self._fail_all(PeerGone(f"data path to {self.address.endpoint} broke"))
 
     def _send_layer(self, sock: zmq.Socket, sink: ChannelSink, layer_idx: int,
-                    kv: torch.Tensor, checksum: int | None) -> None:
+                    kv: torch.Tensor, checksum: int | None) -> Callable[[], bool]:
+        """Send one layer; returns whether its memory is no longer read (the data path's
+        `after_send` has returned, so all that can still read it is libzmq's zero-copy frames)."""
         if not self._hello_sent:
             hello = self.path.hello()
             if hello is not None:
@@ -235,11 +260,13 @@ class PeerChannel(threading.Thread):
                         fingerprint=sink.fingerprint, nbytes=kv.numel() * kv.element_size(),
                         data_path=self.path.name)
         header.seq = sink.next_seq
-        frames = self.path.payload(header, kv, checksum)
+        frames = [zmq.Frame(f, track=True) for f in self.path.payload(header, kv, checksum)]
         sock.send_multipart(self.codec.seal(header) + frames, copy=False)
         sink.next_seq += 1
         sink.nbytes += header.nbytes
         self.path.after_send(header, kv)
+        tracker = zmq.MessageTracker(*frames)
+        return lambda: tracker.done
 
     def _send(self, sock: zmq.Socket, sink: ChannelSink, header: Header) -> None:
         header.seq = sink.next_seq
@@ -306,3 +333,4 @@ class PeerChannel(threading.Thread):
                 return
             if item is not None:
                 item.sink.fail(PeerGone("sender channel closed", transfer_id=item.sink.transfer_id))
+                item.lease.release()

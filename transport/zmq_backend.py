@@ -28,6 +28,7 @@ from transport.base import (
 from transport.channel import PeerChannel, Waker
 from transport.config import TransportConfig
 from transport.datapath import InlineRecvPath, InlineSendPath, RecvPath, SendPath
+from transport.export_pool import ExportPool
 from transport.metrics import TransportMetrics
 from transport.transfers import TableReceiver, TransferTable
 from transport.warm_memory import keep_freed_memory_warm
@@ -283,6 +284,8 @@ class ZmqSender(KVSender):
         self.metrics = metrics or TransportMetrics()
         self.codec = WireCodec(config.resolve_key(), config.wire_limits)
         self._choose_path = choose_path or (lambda addr: InlineSendPath())
+        # Host buffers the engine exports layers into, reused once a send is done with one.
+        self.export_pool = ExportPool()
         self._ctx = zmq.Context(io_threads=1)
         self._channels: dict[tuple[str, str], PeerChannel] = {}
         self._lock = threading.Lock()
@@ -301,7 +304,7 @@ class ZmqSender(KVSender):
             channel = self._channels.get(key)
             if channel is None or channel.broken:
                 channel = PeerChannel(self._ctx, address, path, self.codec, self.metrics,
-                                      self.config.connect_timeout_s)
+                                      self.config.connect_timeout_s, self.export_pool)
                 self._channels[key] = channel
             else:
                 path.close()
