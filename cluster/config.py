@@ -159,7 +159,7 @@ class RouterSettings(_Strict):
     heartbeat_timeout_s: float = Field(default=3.0, gt=0)  # replica unhealthy after this silence
     offload_local_to_prefill: bool = True  # a local request may run whole on an idle prefill replica
     # `generate` travels over an authenticated ZeroMQ stream from the router to the chosen
-    # replica (router/worker_stream.py); false: through Serve handles (a few ms more per hop)
+    # replica (workers/stream_client.py); false: through Serve handles (a few ms more per hop)
     worker_stream: bool = True
     prefix_index_blocks: int = Field(default=65536, ge=1)  # remembered block hashes per replica
 

@@ -183,7 +183,7 @@ class DirectStream:
         import asyncio
         import threading
 
-        from router.worker_stream import WorkerStreams
+        from workers.stream_client import WorkerStreams
 
         self.address = address
         self.loop = asyncio.new_event_loop()

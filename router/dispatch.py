@@ -5,7 +5,7 @@ only after it arrives. A call that fails before any chunk (the replica died, Ser
 no replica) is retried once on another replica; after that it is a 503. A worker's
 error chunk becomes the matching OpenAI error.
 
-A call goes over the worker stream (router/worker_stream.py) to the planned replica
+A call goes over the worker stream (workers/stream_client.py) to the planned replica
 when that replica advertised one, else through its deployment's Serve handle; both
 give an async iterator of chunks with `cancel()`.
 """
@@ -27,8 +27,8 @@ from ray.serve.exceptions import (
 
 from router.errors import APIError, unavailable
 from router.planner import ClusterView, RoutePlan
-from router.worker_stream import ReplicaGone, StreamCall, WorkerCallFailed, WorkerStreams
 from workers.protocol import GenerateChunk, GenerateRequest
+from workers.stream_client import ReplicaGone, StreamCall, WorkerCallFailed, WorkerStreams
 
 log = logging.getLogger("pdcluster.router")
 RETRYABLE = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError, BackPressureError,
@@ -44,8 +44,7 @@ class Callers:
     def call(self, plan: RoutePlan, request: GenerateRequest, view: ClusterView):
         """The planned replica's stream when it has one, else its deployment's handle;
         None when neither exists."""
-        replica = view.replicas.get(plan.target_replica) if plan.target_replica else None
-        address = replica.extra.get("stream_address") if replica is not None else None
+        address = view.stream_address(plan.target_replica)
         if self.streams is not None and address:
             return self.streams.call(address, request)
         handle = self.handles.get(plan.deployment)

@@ -38,10 +38,10 @@ from router.planner import ClusterView
 from router.prompting import PromptBuilder
 from router.responses import ResponseShape
 from router.tenants import Tenants
-from router.worker_stream import worker_streams
 from router.workloads import Profiles, client_mode, view
 from workers.engine_worker import resolve_model_path  # makes a preset once per node, under a lock
 from workers.protocol import GenerateRequest
+from workers.stream_client import worker_streams
 
 log = logging.getLogger("pdcluster.router")
 METRICS_PUSH_INTERVAL_S = 2.0
@@ -189,7 +189,8 @@ class Router:
                 route=plan.decision.route, reason=plan.decision.reason, workload=workload,
                 deadline=time.time() + profile.deadline_s if profile.deadline_s else None,
                 prefill_timeout_s=self.config.router.prefill_timeout_s,
-                target_replica=plan.target_replica, prefill_replica=plan.prefill_replica)
+                target_replica=plan.target_replica, prefill_replica=plan.prefill_replica,
+                prefill_address=self.view.stream_address(plan.prefill_replica) if self.streams else None)
 
         call = await dispatch.start(
             dispatch.Callers(self.handles, self.streams), self.view,

@@ -52,6 +52,11 @@ class ClusterView:
         self.excluded.clear()
         self.index.retain(self.replicas)
 
+    def stream_address(self, replica_id: str | None) -> str | None:
+        """The replica's advertised worker stream (workers/stream_client.py), if any."""
+        replica = self.replicas.get(replica_id) if replica_id else None
+        return replica.extra.get("stream_address") if replica is not None else None
+
     def healthy(self, role: str) -> list[ReplicaInfo]:
         return [r for r in self.replicas.values()
                 if r.role == role and r.healthy and r.replica_id not in self.excluded]

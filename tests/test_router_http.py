@@ -246,6 +246,12 @@ def test_generate_travels_over_the_worker_stream(client):
             break
         time.sleep(0.5)
     assert calls.get("stream", 0) >= 2 and calls.get("handle", 0) == 0, calls
+    # and the decode replica called the prefill replica over its stream too
+    from ray import serve
+
+    state = serve.get_deployment_handle("ControlPlane", app_name=APP).get_state.remote(0).result()
+    prefill = [r for r in state.replicas if r.role == "prefill"]
+    assert prefill and prefill[0].stats.get("stream_prefill_calls_total", 0) >= 1, prefill[0].stats
 
 
 @pytest.fixture()

@@ -17,9 +17,9 @@ import zmq.asyncio
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.worker_stream import ReplicaGone, WorkerCallFailed, WorkerStreams
 from workers.engine.sampling_params import SamplingParams
 from workers.protocol import REASONS, GenerateChunk, GenerateRequest
+from workers.stream_client import ReplicaGone, WorkerCallFailed, WorkerStreams
 from workers.stream_server import StreamServer
 from workers.stream_wire import (
     OPEN,
@@ -67,7 +67,7 @@ class Worker:
 
 
 async def _serve(worker: Worker, **kwargs) -> StreamServer:
-    return StreamServer(worker.generate, StreamCodec(KEY), "127.0.0.1", **kwargs).start()
+    return StreamServer({"generate": worker.generate}, StreamCodec(KEY), "127.0.0.1", **kwargs).start()
 
 
 async def _until(predicate, timeout_s: float = 5.0) -> None:
@@ -123,6 +123,52 @@ def test_cancel_closes_the_worker_generator():
     asyncio.run(main())
 
 
+def test_prefill_method_returns_one_result_and_cancels():
+    from workers.protocol import PrefillRequest, PrefillResult
+
+    gate = asyncio.Event()
+    seen: list[str] = []
+
+    async def prefill(req: PrefillRequest):
+        seen.append(req.transfer_id)
+        try:
+            if req.transfer_id == "slow":
+                await gate.wait()
+            yield PrefillResult(first_token_id=42, num_cached_tokens=16, num_bytes=1 << 20, seconds=0.01)
+        except asyncio.CancelledError:
+            seen.append("cancelled")
+            raise
+
+    def request(transfer_id: str) -> PrefillRequest:
+        return PrefillRequest(request_id="r", transfer_id=transfer_id, prompt_token_ids=[1, 2, 3],
+                              params=SamplingParams(max_tokens=4), seed=3, decode_address="tcp://127.0.0.1:1",
+                              start_block=0, layout_fingerprint="fp", deadline=None)
+
+    async def main():
+        server = StreamServer({"generate": Worker().generate, "prefill": prefill}, StreamCodec(KEY),
+                              "127.0.0.1").start()
+        generate_only = await _serve(Worker())
+        streams = WorkerStreams(StreamCodec(KEY), ping_interval_s=0.1, silence_timeout_s=0.5)
+        try:
+            replies = await _collect(streams.call(server.address, request("t1"), "prefill"))
+            assert replies == [PrefillResult(42, 16, 1 << 20, 0.01)]
+            slow = streams.call(server.address, request("slow"), "prefill")
+            await _until(lambda: "slow" in seen)
+            slow.cancel()
+            await _until(lambda: "cancelled" in seen)
+            assert server.calls_total == {"prefill": 2}
+            refused = streams.call(generate_only.address, request("t2"), "prefill")
+            with pytest.raises(WorkerCallFailed, match="no method"):  # a decode replica has none: told at once
+                await asyncio.wait_for(refused.__anext__(), 5)
+            assert generate_only.rejected["rejected"] == 1
+        finally:
+            streams.close()
+            server.close()
+            generate_only.close()
+
+    asyncio.run(main())
+
+
 def test_a_failing_generate_reaches_the_router():
     async def main():
         server = await _serve(Worker(fail=True))
@@ -166,7 +212,7 @@ def test_replayed_and_stale_messages_are_refused():
         sock = ctx.socket(zmq.DEALER)
         sock.connect(server.address)
         try:
-            opened = {"t": OPEN, "id": 7, "req": request_to_wire(_request(2)), "s": "sess", "n": 1,
+            opened = {"t": OPEN, "m": "generate", "id": 7, "req": request_to_wire(_request(2)), "s": "sess", "n": 1,
                       "ts": time.time()}
             await sock.send_multipart(codec.seal(opened))
             replies = [codec.open(await sock.recv_multipart()) for _ in range(3)]
@@ -185,7 +231,7 @@ def test_replayed_and_stale_messages_are_refused():
 
 def _serve_forever(address_queue) -> None:
     async def main():
-        server = StreamServer(Worker(delay_s=0.02).generate, StreamCodec(KEY), "127.0.0.1").start()
+        server = StreamServer({"generate": Worker(delay_s=0.02).generate}, StreamCodec(KEY), "127.0.0.1").start()
         address_queue.put(server.address)
         await asyncio.sleep(3600)
 
@@ -278,7 +324,7 @@ def test_a_draining_worker_finishes_open_calls_and_refuses_new_ones():
                 await streams.call(server.address, _request(3, "late")).__anext__()
             assert len(await _collect(open_call)) == 19
             assert await drained == 0 and worker.closed == ["finished"]
-            stuck = StreamServer(Worker(delay_s=1.0).generate, StreamCodec(KEY), "127.0.0.1").start()
+            stuck = StreamServer({"generate": Worker(delay_s=1.0).generate}, StreamCodec(KEY), "127.0.0.1").start()
             streams.call(stuck.address, _request(100))
             await _until(lambda: stuck.calls)
             assert await stuck.drain(timeout_s=0.2) == 1  # gives up after its budget

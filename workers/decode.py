@@ -21,8 +21,9 @@ from ray import serve
 
 from workers.engine.output_processor import OutputProcessor
 from workers.engine_worker import EngineWorker
-from workers.kv_transport import make_receiver
+from workers.kv_transport import make_receiver, stream_codec
 from workers.protocol import GenerateChunk, GenerateRequest, PrefillRequest
+from workers.stream_client import WorkerStreams
 
 log = logging.getLogger("pdcluster.decode")
 
@@ -40,6 +41,9 @@ class DecodeWorker(EngineWorker):
                        transport_key: str | None = None) -> None:
         await super().__init__(config, control_plane, transport_key)
         self.prefill_handle = prefill
+        # Calls to prefill replicas that advertise a worker stream go over it (no Serve hop).
+        self.prefill_streams = (WorkerStreams(stream_codec(self.config, transport_key))
+                                if self.config.router.worker_stream else None)
         self.receiver = make_receiver(self.config, self.engine, transport_key)
         self.start_heartbeat(self.receiver.address)
 
@@ -78,10 +82,16 @@ class DecodeWorker(EngineWorker):
         return self.engine.generate_from_kv(res, request_id, req.params, first_token_id, req.seed,
                                             first_chunk=first, deadline=req.deadline)
 
+    async def __del__(self) -> None:
+        await super().__del__()
+        if self.prefill_streams is not None:
+            self.prefill_streams.close()
+
     async def _remote_prefill(self, req: GenerateRequest):
         """Returns (reservation, first token id) with every layer written, or raises
         RemotePrefillFailed having released everything it took."""
-        if self.prefill_handle is None or not req.prefill_replica:
+        can_call = self.prefill_handle is not None or (req.prefill_address and self.prefill_streams)
+        if not can_call or not req.prefill_replica:
             raise RemotePrefillFailed("prefill-unhealthy", "no prefill replica")
         transfer_id = f"{req.request_id}.{uuid.uuid4().hex[:12]}"
         res = await self.engine.reserve_kv(transfer_id, req.prompt_token_ids)
@@ -113,6 +123,9 @@ class DecodeWorker(EngineWorker):
             decode_address=self.receiver.address, start_block=res.num_cached_blocks,
             layout_fingerprint=self.engine.layout.fingerprint(), timeout_s=req.prefill_timeout_s,
             deadline=req.deadline, target_replica=req.prefill_replica)
+        if req.prefill_address and self.prefill_streams is not None:
+            call = self.prefill_streams.call(req.prefill_address, prefill_req, "prefill")
+            return asyncio.ensure_future(_only_reply(call))
         response = self.prefill_handle.prefill.remote(prefill_req)
         return asyncio.ensure_future(_await_response(response))
 
@@ -142,6 +155,20 @@ class DecodeWorker(EngineWorker):
 def _retrieve_exception(task: asyncio.Task) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.debug("prefill call ended with %r after its transfer completed", task.exception())
+
+
+async def _only_reply(call):
+    """The one reply of a worker-stream call; cancelling this cancels the call there."""
+    result = None
+    try:
+        async for reply in call:
+            result = reply
+    except BaseException:
+        call.cancel()
+        raise
+    if result is None:
+        raise RuntimeError("the prefill replica ended the call without a result")
+    return result
 
 
 async def _await_response(response):

@@ -52,8 +52,12 @@ class EngineWorker:
             return None
         from workers.kv_transport import stream_codec, stream_host
 
-        return StreamServer(self.generate, stream_codec(self.config, transport_key),
+        return StreamServer(self.stream_methods(), stream_codec(self.config, transport_key),
                             stream_host(self.config)).start()
+
+    def stream_methods(self) -> dict:
+        """What this replica serves on its worker stream (a prefill replica adds `prefill`)."""
+        return {"generate": self.generate}
 
     def _build_engine(self):
         import torch
@@ -101,8 +105,9 @@ class EngineWorker:
         stats.update(num_inflight=self.num_inflight,
                      num_open_reservations=self.engine.num_open_reservations)
         if self.stream_server is not None:
-            stats.update(num_stream_calls=len(self.stream_server.calls),
-                         num_stream_rejected=sum(self.stream_server.rejected.values()))
+            server = self.stream_server
+            stats.update(num_stream_calls=len(server.calls), num_stream_rejected=sum(server.rejected.values()),
+                         **{f"stream_{m}_calls_total": n for m, n in server.calls_total.items()})
         return stats
 
     async def check_integrity(self) -> dict:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import AsyncIterator
 
 from ray import serve
 
@@ -27,6 +28,13 @@ class PrefillWorker(EngineWorker):
         await super().__init__(config, control_plane, transport_key)
         self.sender = wrap_sender(make_sender(self.config, transport_key), self.faults)  # as is unless faults.enabled
         self.start_heartbeat()
+
+    def stream_methods(self) -> dict:
+        return {**super().stream_methods(), "prefill": self._prefill_once}
+
+    async def _prefill_once(self, req: PrefillRequest) -> AsyncIterator[PrefillResult]:
+        """`prefill` on the worker stream: one reply; a CANCEL cancels it like a Serve call."""
+        yield await self.prefill(req)
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
         """Prefill `req`, send its KV to `req.decode_address`, return once the decode side

@@ -21,11 +21,11 @@ import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import zmq
 import zmq.asyncio
 
-from workers.protocol import GenerateChunk, GenerateRequest
 from workers.stream_wire import (
     CANCEL,
     CHUNK,
@@ -34,23 +34,25 @@ from workers.stream_wire import (
     OPEN,
     PING,
     PONG,
+    REQUESTS,
     ReplayGuard,
     StreamAuthError,
     StreamCodec,
     StreamRejected,
-    chunk_to_wire,
-    request_from_wire,
+    to_wire,
 )
 
 log = logging.getLogger("pdcluster.worker")
 SESSION_TIMEOUT_S = 5.0  # a router silent this long is gone: its calls are cancelled
-Handler = Callable[[GenerateRequest], AsyncIterator[GenerateChunk]]
+Handler = Callable[[Any], AsyncIterator[Any]]  # a request -> its replies (dataclasses)
 
 
 class StreamServer:
-    def __init__(self, handler: Handler, codec: StreamCodec, host: str, port: int = 0,
+    def __init__(self, handlers: dict[str, Handler], codec: StreamCodec, host: str, port: int = 0,
                  session_timeout_s: float = SESSION_TIMEOUT_S) -> None:
-        self._handler = handler
+        """`handlers`: method name ("generate", "prefill"; see stream_wire.REQUESTS) -> handler."""
+        assert set(handlers) <= set(REQUESTS), handlers
+        self._handlers = handlers
         self._codec = codec
         self._guard = ReplayGuard()
         self.session_timeout_s = session_timeout_s
@@ -68,6 +70,7 @@ class StreamServer:
         self.calls: dict[tuple[bytes, int], asyncio.Task] = {}
         self._heard: dict[bytes, float] = {}  # router identity -> last message (monotonic)
         self.rejected: Counter[str] = Counter()
+        self.calls_total: Counter[str] = Counter()  # by method
         self.draining = False
         self._tasks: list[asyncio.Task] = []
 
@@ -107,6 +110,8 @@ class StreamServer:
                 self._on_message(identity, msg)
             except StreamRejected as exc:
                 self._reject(exc)
+            except _RouterGone:
+                pass  # it left between its message and our answer
 
     def _on_message(self, identity: bytes, msg: dict) -> None:
         kind, call_id = msg["t"], msg.get("id")
@@ -118,17 +123,29 @@ class StreamServer:
         if kind == OPEN and self.draining:
             self._send(identity, {"t": END, "id": call_id, "i": 0, "error": DRAINING})
         elif kind == OPEN:
-            request = request_from_wire(msg.get("req"))
-            if (identity, call_id) in self.calls:
-                raise StreamRejected("call id already open")
-            task = asyncio.get_running_loop().create_task(self._run(identity, call_id, request))
-            self.calls[(identity, call_id)] = task
+            try:
+                self._open(identity, call_id, msg)
+            except StreamRejected as exc:  # authentic, so the router hears why at once
+                self._reject(exc)
+                with contextlib.suppress(_RouterGone):
+                    self._send(identity, {"t": END, "id": call_id, "i": 0, "error": f"refused: {exc}"})
         elif kind == CANCEL:
             task = self.calls.get((identity, call_id))
             if task is not None:
                 task.cancel()
         else:
             raise StreamRejected(f"unexpected {kind!r} from a router")
+
+    def _open(self, identity: bytes, call_id: int, msg: dict) -> None:
+        method = msg.get("m")
+        if method not in self._handlers:
+            raise StreamRejected(f"no method {method!r} here")
+        request = REQUESTS[method](msg.get("req"))
+        if (identity, call_id) in self.calls:
+            raise StreamRejected("call id already open")
+        task = asyncio.get_running_loop().create_task(self._run(identity, call_id, method, request))
+        self.calls[(identity, call_id)] = task
+        self.calls_total[method] += 1
 
     def _reject(self, exc: Exception) -> None:
         kind = "auth" if isinstance(exc, StreamAuthError) else "rejected"
@@ -139,19 +156,19 @@ class StreamServer:
 
     # ---- one call --------------------------------------------------------------------
 
-    async def _run(self, identity: bytes, call_id: int, request: GenerateRequest) -> None:
+    async def _run(self, identity: bytes, call_id: int, method: str, request: Any) -> None:
         index, error = 0, None
         try:
-            async with contextlib.aclosing(self._handler(request)) as chunks:
-                async for chunk in chunks:
-                    self._send(identity, {"t": CHUNK, "id": call_id, "i": index, "c": chunk_to_wire(chunk)})
+            async with contextlib.aclosing(self._handlers[method](request)) as replies:
+                async for reply in replies:
+                    self._send(identity, {"t": CHUNK, "id": call_id, "i": index, "c": to_wire(reply)})
                     index += 1
         except _RouterGone:
             return  # nobody to tell; the generator is closed, the engine request aborted
         except asyncio.CancelledError:
             return
         except Exception as exc:  # noqa: BLE001 - reported to the router, which answers 5xx
-            log.exception("request %s: generate failed", request.request_id)
+            log.exception("request %s: %s failed", request.request_id, method)
             error = f"{type(exc).__name__}: {exc}"
         finally:
             self.calls.pop((identity, call_id), None)

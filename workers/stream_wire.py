@@ -1,6 +1,6 @@
 """The worker stream's messages: msgpack maps sealed with HMAC-SHA256.
 
-The router calls a worker replica's `generate` over ZeroMQ (router/worker_stream.py ->
+The router calls a worker replica's `generate` over ZeroMQ (workers/stream_client.py ->
 workers/stream_server.py) instead of a Serve handle, because every handle hop costs a few
 milliseconds on the TTFT path and again on every token. A message is the frames
 `[body, mac]`, `mac` = HMAC-SHA256 over a domain tag and `body`, keyed with the cluster's
@@ -26,7 +26,7 @@ from typing import Any
 import msgpack
 
 from workers.engine.sampling_params import SamplingParams
-from workers.protocol import REASONS, GenerateChunk, GenerateRequest
+from workers.protocol import REASONS, GenerateChunk, GenerateRequest, PrefillRequest, PrefillResult
 
 MAC_LEN = 32
 DOMAIN = b"pdc-worker-stream-v1\0"
@@ -122,51 +122,89 @@ class ReplayGuard:
         self._last = {s: v for s, v in self._last.items() if v[1] >= horizon}
 
 
-# ---- GenerateRequest / GenerateChunk as plain maps -------------------------------------
+# ---- the calls' requests and replies as plain maps --------------------------------------
+# Two methods: "generate" (GenerateRequest -> GenerateChunk, ...) on every worker, from the
+# router; "prefill" (PrefillRequest -> one PrefillResult) on prefill workers, from decode.
 
 _PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
 
-def request_to_wire(req: GenerateRequest) -> dict[str, Any]:
-    out = {f.name: getattr(req, f.name) for f in dataclasses.fields(GenerateRequest)}
-    params = req.params
-    out["params"] = {name: getattr(params, name) for name in _PARAM_FIELDS}
+def to_wire(obj: Any) -> dict[str, Any]:
+    """A request or reply dataclass as a map (its SamplingParams as a map too)."""
+    out = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    if isinstance(out.get("params"), SamplingParams):
+        out["params"] = {name: getattr(out["params"], name) for name in _PARAM_FIELDS}
     return out
+
+
+def request_to_wire(req: GenerateRequest) -> dict[str, Any]:
+    return to_wire(req)
 
 
 def request_from_wire(raw: Any) -> GenerateRequest:
     """Raises StreamRejected naming what is wrong."""
-    if not isinstance(raw, dict) or set(raw) != {f.name for f in dataclasses.fields(GenerateRequest)}:
-        raise StreamRejected("request fields do not match")
-    params = raw.get("params")
-    if not isinstance(params, dict) or not set(params) <= set(_PARAM_FIELDS):
-        raise StreamRejected("sampling params fields do not match")
+    _same_fields(raw, GenerateRequest)
     _expect(raw, request_id=str, seed=int, route=str, reason=str, workload=str, detokenize=bool,
             prefill_timeout_s=(int, float))
-    _expect_optional(raw, deadline=(int, float), target_replica=str, prefill_replica=str)
-    ids = raw["prompt_token_ids"]
-    if not isinstance(ids, list) or not all(type(t) is int and t >= 0 for t in ids):
-        raise StreamRejected("prompt_token_ids must be non-negative integers")
+    _expect_optional(raw, deadline=(int, float), target_replica=str, prefill_replica=str,
+                     prefill_address=str)
     if raw["route"] not in ("local", "disagg") or raw["reason"] not in REASONS:
         raise StreamRejected("unknown route or reason")
-    try:
-        raw["params"] = SamplingParams(**params)
-    except (TypeError, ValueError) as exc:
-        raise StreamRejected(f"sampling params: {exc}") from None
-    return GenerateRequest(**raw)
+    return GenerateRequest(**_with_prompt_and_params(raw))
+
+
+def prefill_request_from_wire(raw: Any) -> PrefillRequest:
+    _same_fields(raw, PrefillRequest)
+    _expect(raw, request_id=str, transfer_id=str, seed=int, decode_address=str, start_block=int,
+            layout_fingerprint=str, timeout_s=(int, float))
+    _expect_optional(raw, deadline=(int, float), target_replica=str)
+    return PrefillRequest(**_with_prompt_and_params(raw))
 
 
 def chunk_to_wire(chunk: GenerateChunk) -> dict[str, Any]:
-    return {f.name: getattr(chunk, f.name) for f in dataclasses.fields(GenerateChunk)}
+    return to_wire(chunk)
 
 
 def chunk_from_wire(raw: Any) -> GenerateChunk:
-    if not isinstance(raw, dict) or not set(raw) <= {f.name for f in dataclasses.fields(GenerateChunk)}:
-        raise StreamRejected("chunk fields do not match")
+    return _reply(raw, GenerateChunk)
+
+
+def prefill_result_from_wire(raw: Any) -> PrefillResult:
+    result = _reply(raw, PrefillResult)
+    if not all(type(getattr(result, n)) is int for n in ("first_token_id", "num_cached_tokens", "num_bytes")):
+        raise StreamRejected("prefill result has the wrong types")
+    return result
+
+
+REQUESTS = {"generate": request_from_wire, "prefill": prefill_request_from_wire}
+REPLIES = {"generate": chunk_from_wire, "prefill": prefill_result_from_wire}
+
+
+def _same_fields(raw: Any, kind: type) -> None:
+    if not isinstance(raw, dict) or set(raw) != {f.name for f in dataclasses.fields(kind)}:
+        raise StreamRejected(f"{kind.__name__} fields do not match")
+
+
+def _with_prompt_and_params(raw: dict) -> dict:
+    ids = raw["prompt_token_ids"]
+    if not isinstance(ids, list) or not all(type(t) is int and t >= 0 for t in ids):
+        raise StreamRejected("prompt_token_ids must be non-negative integers")
+    params = raw.get("params")
+    if not isinstance(params, dict) or not set(params) <= set(_PARAM_FIELDS):
+        raise StreamRejected("sampling params fields do not match")
     try:
-        return GenerateChunk(**raw)
+        return {**raw, "params": SamplingParams(**params)}
+    except (TypeError, ValueError) as exc:
+        raise StreamRejected(f"sampling params: {exc}") from None
+
+
+def _reply(raw: Any, kind: type):
+    if not isinstance(raw, dict) or not set(raw) <= {f.name for f in dataclasses.fields(kind)}:
+        raise StreamRejected(f"{kind.__name__} fields do not match")
+    try:
+        return kind(**raw)
     except TypeError as exc:
-        raise StreamRejected(f"chunk: {exc}") from None
+        raise StreamRejected(f"{kind.__name__}: {exc}") from None
 
 
 def _expect(raw: dict, **types) -> None:

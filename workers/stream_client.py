@@ -1,8 +1,9 @@
-"""The router's side of the worker stream: `generate` on a chosen replica over ZeroMQ.
+"""The calling side of the worker stream: `generate` on a chosen replica over ZeroMQ
+(from the router), and `prefill` on a chosen prefill replica (from a decode replica).
 
 `WorkerStreams.call(address, request)` returns a `StreamCall`, an async iterator of
 `GenerateChunk` with `cancel()`, the same shape as Serve's streaming handle response, so
-router/dispatch.py treats both alike. One DEALER socket per replica address, shared by
+router/dispatch.py treats both alike; `call(..., "prefill")` yields one `PrefillResult`. One DEALER socket per replica address, shared by
 every call to it, with one reader task that hands each chunk to its call.
 
 A replica that dies is noticed two ways, whichever comes first: ZeroMQ reports the
@@ -22,12 +23,13 @@ import logging
 import random
 import time
 import uuid
+from typing import Any
 
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from workers.protocol import GenerateChunk, GenerateRequest
+from workers.protocol import GenerateRequest, PrefillRequest
 from workers.stream_wire import (
     CANCEL,
     CHUNK,
@@ -35,11 +37,11 @@ from workers.stream_wire import (
     END,
     OPEN,
     PING,
+    REPLIES,
     StreamAuthError,
     StreamCodec,
     StreamRejected,
-    chunk_from_wire,
-    request_to_wire,
+    to_wire,
 )
 
 log = logging.getLogger("pdcluster.router")
@@ -56,21 +58,22 @@ class WorkerCallFailed(Exception):
 
 
 class StreamCall:
-    def __init__(self, peer: _Peer, call_id: int) -> None:
+    def __init__(self, peer: _Peer, call_id: int, method: str = "generate") -> None:
         self._peer = peer
         self.call_id = call_id
-        self._queue: asyncio.Queue[GenerateChunk | BaseException | None] = asyncio.Queue()
+        self._reply = REPLIES[method]
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()  # replies, then None or an exception
         self._next_index = 0
         self.done = False
 
     def __aiter__(self) -> StreamCall:
         return self
 
-    async def __anext__(self) -> GenerateChunk:
+    async def __anext__(self) -> Any:
         if self.done:
             raise StopAsyncIteration
         item = await self._queue.get()
-        if isinstance(item, GenerateChunk):
+        if not isinstance(item, BaseException) and item is not None:
             return item
         self._finish()
         if item is None:
@@ -89,7 +92,7 @@ class StreamCall:
             return
         self._next_index += 1
         if msg["t"] == CHUNK:
-            self._queue.put_nowait(chunk_from_wire(msg.get("c")))
+            self._queue.put_nowait(self._reply(msg.get("c")))
         elif msg.get("error") == DRAINING and self._next_index == 1:  # refused before any chunk
             self._queue.put_nowait(ReplicaGone(f"the replica at {self._peer.address} is shutting down"))
         elif msg.get("error"):
@@ -116,13 +119,14 @@ class WorkerStreams:
         self._ctx: zmq.asyncio.Context | None = None
         self.peers: dict[str, _Peer] = {}
 
-    def call(self, address: str, request: GenerateRequest) -> StreamCall:
+    def call(self, address: str, request: GenerateRequest | PrefillRequest, method: str = "generate") -> StreamCall:
+        """`generate` (a stream of GenerateChunk) or `prefill` (one PrefillResult) there."""
         peer = self.peers.get(address)
         if peer is None or peer.closed:
             peer = self.peers[address] = _Peer(self, address)
-        call = StreamCall(peer, random.getrandbits(63))
+        call = StreamCall(peer, random.getrandbits(63), method)
         peer.calls[call.call_id] = call
-        peer.send({"t": OPEN, "id": call.call_id, "req": request_to_wire(request)})
+        peer.send({"t": OPEN, "m": method, "id": call.call_id, "req": to_wire(request)})
         return call
 
     def retain(self, addresses: set[str]) -> None:
