@@ -70,7 +70,7 @@ def export_and_send(backend: str, address: str, work: list[list[tuple[str, list[
     datapath.INLINE_FRAME_BYTES = 1 << 20  # several frames per layer
     if premature_release:
         send_layer = channel.PeerChannel._send_layer
-        channel.PeerChannel._send_layer = lambda *a: (send_layer(*a), lambda: True)[1]
+        channel.PeerChannel._send_layer = lambda *a, **k: (send_layer(*a, **k), lambda: True)[1]
     cache, sender = source_cache(), make_sender(config(backend))
     for batch_idx, batch in enumerate(work):
         sinks = [sender.open(tid, address, BIG) for tid, _ in batch]

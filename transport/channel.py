@@ -227,7 +227,8 @@ class PeerChannel(threading.Thread):
             return  # already resolved (failed or timed out); drop its remaining work
         try:
             if item.kind == LAYER:
-                item.lease.release_when(self._send_layer(sock, sink, *item.arg))
+                item.lease.release_when(self._send_layer(sock, sink, *item.arg,
+                                                         track=item.lease is not NO_LEASE))
             elif item.kind == DONE:
                 self._send(sock, sink, Header(DONE, sink.transfer_id, first_token_id=item.arg))
             elif item.kind == ABORT:
@@ -246,9 +247,10 @@ class PeerChannel(threading.Thread):
             self._fail_all(PeerGone(f"data path to {self.address.endpoint} broke"))
 
     def _send_layer(self, sock: zmq.Socket, sink: ChannelSink, layer_idx: int,
-                    kv: torch.Tensor, checksum: int | None) -> Callable[[], bool]:
+                    kv: torch.Tensor, checksum: int | None, track: bool) -> Callable[[], bool]:
         """Send one layer; returns whether its memory is no longer read (the data path's
-        `after_send` has returned, so all that can still read it is libzmq's zero-copy frames)."""
+        `after_send` has returned, so all that can still read it is libzmq's zero-copy
+        frames). `track`: follow those frames (~20 us a message), for a lent buffer."""
         if not self._hello_sent:
             hello = self.path.hello()
             if hello is not None:
@@ -260,12 +262,14 @@ class PeerChannel(threading.Thread):
                         fingerprint=sink.fingerprint, nbytes=kv.numel() * kv.element_size(),
                         data_path=self.path.name)
         header.seq = sink.next_seq
-        frames = [zmq.Frame(f, track=True) for f in self.path.payload(header, kv, checksum)]
+        frames = self.path.payload(header, kv, checksum)
+        if track:
+            frames = [zmq.Frame(f, track=True) for f in frames]
         sock.send_multipart(self.codec.seal(header) + frames, copy=False)
         sink.next_seq += 1
         sink.nbytes += header.nbytes
         self.path.after_send(header, kv)
-        tracker = zmq.MessageTracker(*frames)
+        tracker = zmq.MessageTracker(*frames) if track else zmq.MessageTracker()
         return lambda: tracker.done
 
     def _send(self, sock: zmq.Socket, sink: ChannelSink, header: Header) -> None:
