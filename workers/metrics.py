@@ -34,6 +34,12 @@ class WorkerMetrics:
         self.background_requests = Counter(
             "pdc_background_prefills", "Requests prefilled in the background (prompts `auto` spilled "
             "onto a decode replica, yielding to its streams)", ["model"], registry=r)
+        self.stream_calls = Counter(
+            "pdc_worker_stream_calls", "Calls this pool's replicas took over the worker stream, by method "
+            "(generate from routers, prefill from decode replicas)", ["model", "method"], registry=r)
+        self.stream_rejected = Counter(
+            "pdc_worker_stream_rejected", "Worker-stream messages refused (bad MAC, malformed, replayed, "
+            "stale)", ["model"], registry=r)
         names = ("model", "pool", "replica")
         self.blocks_free = Gauge("pdc_kv_blocks_free", "Free KV blocks", names, registry=r)
         self.blocks_total = Gauge("pdc_kv_blocks_total", "All KV blocks", names, registry=r)
@@ -51,6 +57,9 @@ class WorkerMetrics:
         self._mirror(self.prefix_queries, stats, "prefix_cache_queries")
         self._mirror(self.prefix_hits, stats, "prefix_cache_hits")
         self._mirror(self.background_requests, stats, "num_background_requests")
+        self._mirror(self.stream_rejected, stats, "num_stream_rejected")
+        for method in ("generate", "prefill"):
+            self._mirror(self.stream_calls, stats, f"stream_{method}_calls_total", method)
         labels = self._gauge_labels
         self.blocks_free.labels(**labels).set(stats.get("kv_blocks_free", 0))
         self.blocks_total.labels(**labels).set(stats.get("kv_blocks_total", 0))
@@ -58,10 +67,10 @@ class WorkerMetrics:
         self.waiting.labels(**labels).set(stats.get("num_waiting", 0))
         self._last_stats = dict(stats)
 
-    def _mirror(self, counter: Counter, stats: dict, key: str) -> None:
+    def _mirror(self, counter: Counter, stats: dict, key: str, *labels: str) -> None:
         delta = stats.get(key, 0) - self._last_stats.get(key, 0)
         if delta > 0:
-            counter.labels(self.model).inc(delta)
+            counter.labels(self.model, *labels).inc(delta)
 
     def render(self) -> str:
         return generate_latest(self.registry).decode()
