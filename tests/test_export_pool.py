@@ -153,3 +153,131 @@ def test_an_export_buffer_of_the_wrong_size_is_refused():
         copy_from_blocks(layer, [0, 1], out=torch.empty(2 * 2 * 4 * 2 * 8 * 4 + 4, dtype=torch.uint8))
     with pytest.raises(ValueError):
         copy_from_blocks(layer, [0, 1], out=torch.empty(2 * 2 * 4 * 2 * 8, dtype=torch.float32))
+
+
+class FakeClock:
+    """Seconds that pass only when the test says so: idle periods without sleeping."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_buffer_free_past_the_idle_period_is_dropped_on_the_next_lend():
+    clock = FakeClock()
+    pool = ExportPool(idle_s=30, clock=clock)
+    pool.lend(4 * MIB).release()
+    clock.now += 30  # exactly the idle period: still kept
+    kept = pool.lend(MIB)  # too small for the free 4 MiB buffer, so it stays free
+    assert pool.stats()["bytes_owned"] == 4 * MIB + MIB
+    clock.now += 0.5
+    again = pool.lend(MIB)
+    assert pool.stats()["bytes_owned"] == 2 * MIB  # the 4 MiB buffer went
+    assert pool.stats()["num_free"] == 0 and pool.stats()["num_reused"] == 0
+    kept.release()
+    again.release()
+    pool.check_integrity()
+
+
+def test_a_buffer_free_past_the_idle_period_is_dropped_on_the_next_settle():
+    clock = FakeClock()
+    pool = ExportPool(idle_s=30, clock=clock)
+    idle, busy = pool.lend(8 * MIB), pool.lend(2 * MIB)
+    idle.release()
+    clock.now += 31
+    busy.release()  # settling trims: only the buffer freed just now is left
+    stats = pool.stats()
+    assert stats["num_free"] == 1 and stats["bytes_owned"] == 2 * MIB
+    pool.check_integrity()
+
+
+def test_a_lent_or_draining_buffer_is_never_dropped_however_old():
+    clock = FakeClock()
+    pool = ExportPool(idle_s=30, clock=clock)
+    lent, draining = pool.lend(2 * MIB), pool.lend(3 * MIB)
+    lent.buffer.fill_(7)
+    reading = [True]
+    draining.release_when(lambda: not reading[0])
+    clock.now += 3600
+    pool.lend(MIB).release()
+    assert pool.stats()["bytes_owned"] == 2 * MIB + 3 * MIB + MIB
+    assert bool((lent.buffer == 7).all())
+    reading[0] = False  # the reader lets go an hour on: free from now, not from the lend
+    pool.lend(MIB).release()
+    assert pool.stats()["num_free"] == 2 and pool.stats()["bytes_owned"] == 6 * MIB
+    clock.now += 31
+    lent.release()  # the draining buffer, free for 31 s, goes; the one released now stays
+    assert pool.stats()["bytes_owned"] == 2 * MIB
+    pool.check_integrity()
+
+
+def test_a_buffer_reused_within_the_idle_period_stays():
+    clock = FakeClock()
+    pool = ExportPool(idle_s=30, clock=clock)
+    first = pool.lend(4 * MIB)
+    for _ in range(5):  # a prompt every 20 s: never free for 30 s
+        first.release()
+        clock.now += 20
+        lease = pool.lend(4 * MIB)
+        assert lease.storage.data_ptr() == first.storage.data_ptr()
+        first = lease
+    assert pool.stats()["num_allocated"] == 1 and pool.stats()["num_reused"] == 5
+    first.release()
+    pool.check_integrity()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["lend", "release", "discard", "wait"]),
+                          st.integers(1, 8), st.integers(0, 40)), max_size=40))
+def test_owned_bytes_stay_exact_as_buffers_expire(ops):
+    """Whatever the order of lends (pooled or too small), settlements and waits: the free
+    bytes the pool owns come only from buffers freed within the idle period before its last
+    lend or settle, the bound holds, and once the pool has sat idle only what is lent is
+    owned."""
+    clock = FakeClock()
+    pool = ExportPool(pool_layers=3, idle_s=30, clock=clock)
+    held = []  # lent leases
+    freed = []  # (freed at, bytes) of every release; a superset of what the pool keeps free
+    trimmed_at = clock.now  # every lend and settle trims
+    for op, mib, pick in ops:
+        if op == "wait":
+            clock.now += pick
+        elif op == "lend":
+            trimmed_at = clock.now
+            lease = pool.lend(mib * MIB // 2)
+            if lease is not None:
+                held.append(lease)
+        elif held:
+            trimmed_at = clock.now
+            lease = held.pop(pick % len(held))
+            if op == "release":
+                lease.release()
+                freed.append((clock.now, lease.storage.numel()))
+            else:
+                lease.discard()
+        free_bytes = pool.stats()["bytes_owned"] - sum(lease.storage.numel() for lease in held)
+        assert 0 <= free_bytes <= sum(n for t, n in freed if trimmed_at - t <= 30)
+        assert pool.stats()["num_lent"] == len(held)
+        pool.check_integrity()
+    clock.now += 31
+    lent_bytes = sum(lease.storage.numel() for lease in held)
+    spare = pool.lend(MIB)  # a lend after the idle period first trims every free buffer
+    if spare is not None:  # None: lent buffers fill the bound
+        spare.discard()
+    assert pool.stats()["bytes_owned"] == lent_bytes and pool.stats()["num_free"] == 0
+    for lease in held:
+        lease.release()
+    clock.now += 31
+    pool.lend(MIB).release()  # a lend trims; its own buffer, just freed, stays
+    assert pool.stats()["bytes_owned"] == MIB
+
+
+def test_a_lend_too_small_to_pool_still_trims():
+    clock = FakeClock()
+    pool = ExportPool(idle_s=30, clock=clock)
+    pool.lend(16 * MIB).release()  # one long prompt, then only short ones
+    clock.now += 31
+    assert pool.lend(MIN_POOLED_BYTES - 1) is None
+    assert pool.stats()["bytes_owned"] == 0 and pool.stats()["num_fallbacks"] == 0

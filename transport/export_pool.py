@@ -18,15 +18,24 @@ Bound: the buffers the pool owns, free or lent, never add up to more than `POOL_
 buffers for the largest layer it was asked for, nor to `MAX_POOL_BYTES` (one long prompt's
 layers in flight at once beyond that are rare: the sender keeps pace with prefill). Past
 it, `lend` answers None and the caller allocates a fresh tensor, as before the pool:
-layers beyond the bound cost page faults, never a wait. Buffers are kept until the sender
-goes, so an idle prefill worker holds up to the bound (4 x 128 MiB after a 32k-token
-prompt of an 8B model). Layers under `MIN_POOLED_BYTES` are not pooled: malloc already
-reuses blocks that small.
+layers beyond the bound cost page faults, never a wait. Layers under `MIN_POOLED_BYTES`
+are not pooled: malloc already reuses blocks that small.
+
+Giving memory back: a buffer that has sat free (not lent, not draining) for more than
+`IDLE_S` is dropped from the pool on the next `lend` or settle, so an idle prefill worker
+does not keep up to the bound (4 x 128 MiB after a 32k-token prompt of an 8B model) for
+hours. No thread does this: the pool trims when it is used anyway (every exported layer
+lends, even one too small to pool), so the last buffers freed before a quiet spell stay
+until the next lend or settle after `IDLE_S` (at the latest, when the sender goes). A
+buffer still lent or draining is never dropped, however old. A dropped buffer of 32 MiB or
+more goes back to the OS as soon as nothing else refers to it (glibc `munmap`s chunks that
+big); a smaller one goes back to malloc, which reuses it or trims it.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -35,6 +44,7 @@ MIN_POOLED_BYTES = 1 << 20
 POOL_LAYERS = 4
 MAX_POOL_BYTES = 1 << 30
 MAX_WASTE = 2  # a free buffer serves a layer of at least 1/MAX_WASTE of its size
+IDLE_S = 30.0  # a buffer free for longer than this is dropped: its memory goes back
 
 Done = Callable[[], bool]
 
@@ -122,10 +132,12 @@ class ExportPool:
     """Thread-safe: the engine's step thread lends, sender threads settle."""
 
     def __init__(self, min_bytes: int = MIN_POOLED_BYTES, pool_layers: int = POOL_LAYERS,
-                 max_pool_bytes: int = MAX_POOL_BYTES) -> None:
+                 max_pool_bytes: int = MAX_POOL_BYTES, idle_s: float = IDLE_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.min_bytes, self.pool_layers, self.max_pool_bytes = min_bytes, pool_layers, max_pool_bytes
+        self.idle_s, self._clock = idle_s, clock
         self._lock = threading.Lock()
-        self._free: list[torch.Tensor] = []  # oldest-freed first
+        self._free: list[tuple[float, torch.Tensor]] = []  # (freed at, buffer), oldest-freed first
         self._lent: dict[int, ExportLease] = {}  # by id(); includes the draining ones
         self._draining: dict[int, Done] = {}  # settled with `release_when`, not yet done
         self._largest = 0  # the size class of the largest layer asked for
@@ -137,10 +149,11 @@ class ExportPool:
 
     def lend(self, nbytes: int) -> ExportLease | None:
         """A buffer of `nbytes`, or None: too small to pool, or the pool is at its bound."""
-        if nbytes < self.min_bytes:
-            return None
         with self._lock:
             self._reap()
+            self._trim()  # on small layers too: short prompts after a long one still trim
+            if nbytes < self.min_bytes:
+                return None
             self._largest = max(self._largest, size_class(nbytes))
             storage = self._take_free(nbytes)
             if storage is None:
@@ -155,6 +168,7 @@ class ExportPool:
     def settle(self, lease: ExportLease, done: Done | None) -> None:
         """End `lease`: back once `done()` is true, or forgotten if `done` is None."""
         with self._lock:
+            self._trim()
             if lease.settled or self._lent.get(id(lease)) is not lease:
                 return
             lease.settled = True
@@ -177,10 +191,12 @@ class ExportPool:
         """Within the bound; no buffer both free and lent, or lent twice."""
         with self._lock:
             assert self._bytes_owned() <= self.max_bytes, "pool past its bound"
-            ptrs = [s.data_ptr() for s in self._free]
+            ptrs = [s.data_ptr() for _, s in self._free]
             ptrs += [lease.storage.data_ptr() for lease in self._lent.values()]
             assert len(set(ptrs)) == len(ptrs), "a buffer is free and lent, or lent twice"
             assert set(self._draining) <= set(self._lent), "a draining buffer is not lent"
+            freed_ats = [t for t, _ in self._free]
+            assert freed_ats == sorted(freed_ats), "free buffers out of the order they were freed"
 
     # -- under the lock ------------------------------------------------------------------------
 
@@ -191,17 +207,23 @@ class ExportPool:
     def _give_back(self, lease: ExportLease) -> None:
         del self._lent[id(lease)]
         self._draining.pop(id(lease), None)
-        self._free.append(lease.storage)
+        self._free.append((self._clock(), lease.storage))
+
+    def _trim(self) -> None:
+        """Drop the buffers free for longer than `idle_s` (the oldest-freed come first)."""
+        expired_before = self._clock() - self.idle_s
+        while self._free and self._free[0][0] < expired_before:
+            self._free.pop(0)
 
     def _take_free(self, nbytes: int) -> torch.Tensor | None:
         """The smallest free buffer that fits without wasting more than half of it (the
         most recently freed of equals: the likeliest still in cache)."""
-        fits = [i for i, s in enumerate(self._free) if nbytes <= s.numel() <= MAX_WASTE * nbytes]
+        fits = [i for i, (_, s) in enumerate(self._free) if nbytes <= s.numel() <= MAX_WASTE * nbytes]
         if not fits:
             return None
-        best = min(fits, key=lambda i: (self._free[i].numel(), -i))
+        best = min(fits, key=lambda i: (self._free[i][1].numel(), -i))
         self.num_reused += 1
-        return self._free.pop(best)
+        return self._free.pop(best)[1]
 
     def _allocate(self, nbytes: int) -> torch.Tensor | None:
         """A new buffer, dropping the oldest free ones to make room; None past the bound."""
@@ -215,4 +237,4 @@ class ExportPool:
 
     def _bytes_owned(self) -> int:
         lent = sum(lease.storage.numel() for lease in self._lent.values())
-        return lent + sum(s.numel() for s in self._free)
+        return lent + sum(s.numel() for _, s in self._free)
