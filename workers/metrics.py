@@ -40,7 +40,13 @@ class WorkerMetrics:
         self.stream_rejected = Counter(
             "pdc_worker_stream_rejected", "Worker-stream messages refused (bad MAC, malformed, replayed, "
             "stale)", ["model"], registry=r)
+        self.export_buffers = Counter(
+            "pdc_export_buffers", "Large KV layers a prefill replica exported, by where the copy landed: "
+            "a reused pooled buffer, a newly pooled one, or a fresh allocation (the pool at its bound)",
+            ["model", "outcome"], registry=r)
         names = ("model", "pool", "replica")
+        self.export_pool_bytes = Gauge("pdc_export_pool_bytes", "Host memory held by a prefill replica's "
+                                       "pool of export buffers", names, registry=r)
         self.blocks_free = Gauge("pdc_kv_blocks_free", "Free KV blocks", names, registry=r)
         self.blocks_total = Gauge("pdc_kv_blocks_total", "All KV blocks", names, registry=r)
         self.running = Gauge("pdc_num_requests_running", "Requests in the running batch", names, registry=r)
@@ -60,11 +66,15 @@ class WorkerMetrics:
         self._mirror(self.stream_rejected, stats, "num_stream_rejected")
         for method in ("generate", "prefill"):
             self._mirror(self.stream_calls, stats, f"stream_{method}_calls_total", method)
+        for outcome in ("reused", "allocated", "fallback"):
+            self._mirror(self.export_buffers, stats, f"export_buffers_{outcome}_total", outcome)
         labels = self._gauge_labels
         self.blocks_free.labels(**labels).set(stats.get("kv_blocks_free", 0))
         self.blocks_total.labels(**labels).set(stats.get("kv_blocks_total", 0))
         self.running.labels(**labels).set(stats.get("num_running", 0))
         self.waiting.labels(**labels).set(stats.get("num_waiting", 0))
+        if "export_pool_bytes" in stats:
+            self.export_pool_bytes.labels(**labels).set(stats["export_pool_bytes"])
         self._last_stats = dict(stats)
 
     def _mirror(self, counter: Counter, stats: dict, key: str, *labels: str) -> None:

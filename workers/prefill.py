@@ -29,6 +29,16 @@ class PrefillWorker(EngineWorker):
         self.sender = wrap_sender(make_sender(self.config, transport_key), self.faults)  # as is unless faults.enabled
         self.start_heartbeat()
 
+    async def stats(self) -> dict:
+        stats = await super().stats()
+        pool = getattr(self.sender, "export_pool", None)  # the zmq-family senders lend export buffers
+        if pool is not None:
+            p = pool.stats()
+            stats.update(export_pool_bytes=p["bytes_owned"], export_buffers_reused_total=p["num_reused"],
+                         export_buffers_allocated_total=p["num_allocated"],
+                         export_buffers_fallback_total=p["num_fallbacks"])
+        return stats
+
     def stream_methods(self) -> dict:
         return {**super().stream_methods(), "prefill": self._prefill_once}
 

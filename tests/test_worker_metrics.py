@@ -1,0 +1,43 @@
+"""A worker's stats become its Prometheus series: counters by delta between heartbeats
+(never counting a value twice), gauges as they stand."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from workers.metrics import WorkerMetrics
+
+
+def _samples(metrics: WorkerMetrics) -> dict[tuple[str, tuple], float]:
+    out = {}
+    for family in text_string_to_metric_families(metrics.render()):
+        for s in family.samples:
+            if not s.name.endswith("_created"):
+                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_stream_and_export_pool_stats_reach_prometheus():
+    m = WorkerMetrics("tiny", "prefill", "r1")
+    m.update_from_stats({"stream_generate_calls_total": 3, "stream_prefill_calls_total": 5,
+                         "num_stream_rejected": 1, "export_pool_bytes": 64 << 20,
+                         "export_buffers_reused_total": 10, "export_buffers_allocated_total": 4})
+    m.update_from_stats({"stream_generate_calls_total": 3, "stream_prefill_calls_total": 9,
+                         "num_stream_rejected": 1, "export_pool_bytes": 32 << 20,
+                         "export_buffers_reused_total": 30, "export_buffers_allocated_total": 4,
+                         "export_buffers_fallback_total": 2})
+    got = _samples(m)
+    model = ("model", "tiny")
+    assert got[("pdc_worker_stream_calls_total", (("method", "generate"), model))] == 3
+    assert got[("pdc_worker_stream_calls_total", (("method", "prefill"), model))] == 9
+    assert got[("pdc_worker_stream_rejected_total", (model,))] == 1
+    assert got[("pdc_export_buffers_total", (model, ("outcome", "reused")))] == 30
+    assert got[("pdc_export_buffers_total", (model, ("outcome", "allocated")))] == 4
+    assert got[("pdc_export_buffers_total", (model, ("outcome", "fallback")))] == 2
+    assert got[("pdc_export_pool_bytes", (model, ("pool", "prefill"), ("replica", "r1")))] == 32 << 20
+
+
+def test_a_decode_replica_shows_no_export_pool_gauge():
+    m = WorkerMetrics("tiny", "decode", "r2")
+    m.update_from_stats({"kv_blocks_free": 5, "kv_blocks_total": 8})
+    assert not any(name == "pdc_export_pool_bytes" for name, _ in _samples(m))
