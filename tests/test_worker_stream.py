@@ -28,7 +28,7 @@ from workers.stream_wire import (
     StreamCodec,
     StreamRejected,
     request_from_wire,
-    request_to_wire,
+    to_wire,
 )
 
 KEY = "stream-test-key-0123456789abcdef"
@@ -212,7 +212,7 @@ def test_replayed_and_stale_messages_are_refused():
         sock = ctx.socket(zmq.DEALER)
         sock.connect(server.address)
         try:
-            opened = {"t": OPEN, "m": "generate", "id": 7, "req": request_to_wire(_request(2)), "s": "sess", "n": 1,
+            opened = {"t": OPEN, "m": "generate", "id": 7, "req": to_wire(_request(2)), "s": "sess", "n": 1,
                       "ts": time.time()}
             await sock.send_multipart(codec.seal(opened))
             replies = [codec.open(await sock.recv_multipart()) for _ in range(3)]
@@ -355,7 +355,7 @@ requests = st.builds(
 @given(requests)
 def test_requests_survive_the_wire(req):
     codec = StreamCodec(KEY)
-    msg = codec.open(codec.seal({"t": OPEN, "req": request_to_wire(req)}))
+    msg = codec.open(codec.seal({"t": OPEN, "req": to_wire(req)}))
     assert request_from_wire(msg["req"]) == req
 
 
@@ -363,14 +363,14 @@ def test_requests_survive_the_wire(req):
                                           ("seed", "1"), ("route", "elsewhere"), ("reason", "because"),
                                           ("detokenize", 1), ("deadline", "soon")])
 def test_malformed_requests_are_rejected(field, value):
-    raw = request_to_wire(_request())
+    raw = to_wire(_request())
     raw[field] = value
     with pytest.raises(StreamRejected):
         request_from_wire(raw)
 
 
 def test_bad_params_tampering_and_size_are_rejected():
-    raw = request_to_wire(_request())
+    raw = to_wire(_request())
     raw["params"]["max_tokens"] = 0
     with pytest.raises(StreamRejected, match="max_tokens"):
         request_from_wire(raw)

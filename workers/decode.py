@@ -21,9 +21,9 @@ from ray import serve
 
 from workers.engine.output_processor import OutputProcessor
 from workers.engine_worker import EngineWorker
-from workers.kv_transport import make_receiver, stream_codec
+from workers.kv_transport import make_receiver
 from workers.protocol import GenerateChunk, GenerateRequest, PrefillRequest
-from workers.stream_client import WorkerStreams
+from workers.stream_client import worker_streams
 
 log = logging.getLogger("pdcluster.decode")
 
@@ -42,8 +42,7 @@ class DecodeWorker(EngineWorker):
         await super().__init__(config, control_plane, transport_key)
         self.prefill_handle = prefill
         # Calls to prefill replicas that advertise a worker stream go over it (no Serve hop).
-        self.prefill_streams = (WorkerStreams(stream_codec(self.config, transport_key))
-                                if self.config.router.worker_stream else None)
+        self.prefill_streams = worker_streams(self.config, transport_key)
         self.receiver = make_receiver(self.config, self.engine, transport_key)
         self.start_heartbeat(self.receiver.address)
 

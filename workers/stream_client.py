@@ -231,8 +231,9 @@ def _quiet(future) -> None:
 
 
 def worker_streams(config, transport_key: str | None) -> WorkerStreams | None:
-    """The router's streams to the workers, keyed like the KV transport; None when the
-    config sends `generate` through Serve handles (`router.worker_stream: false`)."""
+    """Streams to the workers (the router's, or a decode replica's to prefill replicas),
+    keyed like the KV transport; None when the config sends calls through Serve handles
+    (`router.worker_stream: false`)."""
     if not config.router.worker_stream:
         return None
     from workers.kv_transport import stream_codec

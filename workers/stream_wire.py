@@ -137,10 +137,6 @@ def to_wire(obj: Any) -> dict[str, Any]:
     return out
 
 
-def request_to_wire(req: GenerateRequest) -> dict[str, Any]:
-    return to_wire(req)
-
-
 def request_from_wire(raw: Any) -> GenerateRequest:
     """Raises StreamRejected naming what is wrong."""
     _same_fields(raw, GenerateRequest)
@@ -159,10 +155,6 @@ def prefill_request_from_wire(raw: Any) -> PrefillRequest:
             layout_fingerprint=str, timeout_s=(int, float))
     _expect_optional(raw, deadline=(int, float), target_replica=str)
     return PrefillRequest(**_with_prompt_and_params(raw))
-
-
-def chunk_to_wire(chunk: GenerateChunk) -> dict[str, Any]:
-    return to_wire(chunk)
 
 
 def chunk_from_wire(raw: Any) -> GenerateChunk:
