@@ -60,18 +60,30 @@ def _direct_request(prompt: list[int], max_tokens: int):
                            seed=0, route="local", reason="forced")
 
 
-def handle_ttft_s(handle, prompt: list[int], max_tokens: int) -> float:
-    req = _direct_request(prompt, max_tokens)
-    start = time.perf_counter()
-    ttft = None
-    for chunk in handle.options(stream=True).generate.remote(req):
-        if ttft is None and (chunk.token_ids or chunk.text):
-            ttft = time.perf_counter() - start
+class FirstToken:
+    """Times a direct call's first content chunk: start it, `see` every chunk, `ttft_s`."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.start, self.ttft = path, time.perf_counter(), None
+
+    def see(self, chunk) -> None:
+        if self.ttft is None and (chunk.token_ids or chunk.text):
+            self.ttft = time.perf_counter() - self.start
         if chunk.error is not None:
             raise RuntimeError(f"decode replica error: {chunk.error}")
-    if ttft is None:
-        raise RuntimeError("no content chunk from the decode handle")
-    return ttft
+
+    def ttft_s(self) -> float:
+        if self.ttft is None:
+            raise RuntimeError(f"no content chunk from the decode replica's {self.path}")
+        return self.ttft
+
+
+def handle_ttft_s(handle, prompt: list[int], max_tokens: int) -> float:
+    req = _direct_request(prompt, max_tokens)
+    clock = FirstToken("handle")
+    for chunk in handle.options(stream=True).generate.remote(req):
+        clock.see(chunk)
+    return clock.ttft_s()
 
 
 class HttpClientProcess:
@@ -212,16 +224,11 @@ class DirectStream:
         return asyncio.run_coroutine_threadsafe(self._ttft_s(prompt, max_tokens), self.loop).result(60)
 
     async def _ttft_s(self, prompt: list[int], max_tokens: int) -> float:
-        start = time.perf_counter()
-        ttft = None
-        async for chunk in self.streams.call(self.address, _direct_request(prompt, max_tokens)):
-            if ttft is None and (chunk.token_ids or chunk.text):
-                ttft = time.perf_counter() - start
-            if chunk.error is not None:
-                raise RuntimeError(f"decode replica error: {chunk.error}")
-        if ttft is None:
-            raise RuntimeError("no content chunk from the decode replica's stream")
-        return ttft
+        req = _direct_request(prompt, max_tokens)
+        clock = FirstToken("stream")
+        async for chunk in self.streams.call(self.address, req):
+            clock.see(chunk)
+        return clock.ttft_s()
 
     def close(self) -> None:
         import asyncio

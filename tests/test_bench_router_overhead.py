@@ -86,3 +86,20 @@ def test_http_client_process_times_real_requests_and_reports_failures():
             client.ttft_s([65] * 4, 2)
     finally:
         server.shutdown()
+
+
+def test_first_token_clock_times_the_first_content_chunk_and_reports_errors():
+    from cluster.router_overhead import FirstToken
+    from workers.protocol import GenerateChunk
+
+    clock = FirstToken("stream")
+    clock.see(GenerateChunk())  # no content yet (a route-only chunk)
+    assert clock.ttft is None
+    clock.see(GenerateChunk(token_ids=[5]))
+    first = clock.ttft_s()
+    clock.see(GenerateChunk(token_ids=[6]))
+    assert clock.ttft_s() == first > 0
+    with pytest.raises(RuntimeError, match="stream"):
+        FirstToken("stream").ttft_s()
+    with pytest.raises(RuntimeError, match="decode replica error"):
+        FirstToken("handle").see(GenerateChunk(finished=True, finish_reason="error", error={"message": "x"}))
