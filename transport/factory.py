@@ -19,6 +19,7 @@ import torch
 from transport.address import PeerAddress, default_node_id, reachable_host
 from transport.base import KVReceiver, KVSender, KVTarget
 from transport.config import TransportConfig
+from transport.cuda_ipc import cuda_ipc_for
 from transport.datapath import InlineRecvPath, InlineSendPath, RecvPath, SendPath
 from transport.local_backend import LocalReceiver, LocalSender
 from transport.metrics import TransportMetrics
@@ -42,7 +43,7 @@ def make_receiver(config: TransportConfig, target: KVTarget,
     paths: list[RecvPath] = [InlineRecvPath()]
     for name in _RECV_PATHS[config.backend]:
         if name == SHM and shm_available():
-            paths.append(ShmRecvPath())
+            paths.append(ShmRecvPath(cuda_ipc_for(_device())))
         elif name == PG:
             paths.append(PgRecvPath(config.connect_timeout_s, _device()))
     receiver = ZmqReceiver(config, target, paths, metrics)
@@ -61,7 +62,7 @@ def make_sender(config: TransportConfig, metrics: TransportMetrics | None = None
     def choose_path(peer: PeerAddress) -> SendPath:
         same_node = peer.node_id == node_id and shm_available()
         if backend in ("shm", "auto") and same_node and SHM in peer.data_paths:
-            return ShmSendPath(config.shm_pool_bytes)
+            return ShmSendPath(config.shm_pool_bytes, cuda_ipc_for(device))
         wants_pg = backend == "nccl" or (backend == "auto" and device == "cuda")
         if wants_pg and PG in peer.data_paths:
             return PgSendPath(host, config.connect_timeout_s, device)

@@ -7,7 +7,9 @@ RELEASE so the slot is reused. Two copies is the floor for a path where the
 sender's tensor is not itself in shared memory. When every slot is in flight and the pool
 is at its cap, the layer goes inline over ZMQ instead of waiting.
 
-GPU tensors are staged through host memory here; CUDA IPC handles are future work.
+A CUDA layer goes GPU to GPU instead, through a device slot shared by CUDA IPC, when the
+receiver's KV cache is on CUDA and it opened the sender's probe (`shm_cuda.py`); otherwise
+it is staged through host memory here.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 import torch
 
 from transport.base import TransferCorrupt, TransferRejected
+from transport.cuda_ipc import IpcMemory
 from transport.datapath import (
     InlineSendPath,
     Received,
@@ -33,6 +36,7 @@ from transport.datapath import (
     tensor_bytes,
     tensor_from_bytes,
 )
+from transport.shm_cuda import TAKES_IPC, ShmDeviceReceiver, ShmDeviceSender, is_device_header
 from transport.wire import RELEASE, SHM, Header
 
 SHM_DIR = Path("/dev/shm")
@@ -96,14 +100,24 @@ def _sweep_once() -> None:
 class ShmSendPath(SendPath):
     name = SHM
 
-    def __init__(self, pool_bytes: int) -> None:
+    def __init__(self, pool_bytes: int, ipc: IpcMemory | None = None) -> None:
         self.pool_bytes = pool_bytes
         self._slots: dict[str, _Slot] = {}
         self._ticks = 0
         _sweep_once()
         self._inline = InlineSendPath()
+        # ipc: this process's device memory (None off CUDA: host slots only, no HELLO)
+        self._device = ShmDeviceSender(ipc, pool_bytes) if ipc is not None else None
+
+    def hello(self) -> Header | None:
+        return self._device.hello() if self._device is not None else None
 
     def payload(self, header: Header, kv: torch.Tensor, checksum: int | None = None) -> list:
+        if self._device is not None and self._device.takes(kv):
+            if self._device.payload(header, kv):
+                return []
+            header.data_path = self._inline.name  # device pool full: as for host slots
+            return self._inline.payload(header, kv, checksum)
         slot = self._acquire(header.nbytes)
         if slot is None:  # pool full: do not block the channel, send this one inline
             header.data_path = self._inline.name
@@ -138,6 +152,8 @@ class ShmSendPath(SendPath):
         return slot
 
     def on_release(self, header: Header) -> None:
+        if self._device is not None and self._device.on_release(header):
+            return
         slot = self._slots.get(str(header.extra.get("file", "")))
         if slot is not None and slot.transfer_id == header.transfer_id:
             self._free(slot)
@@ -152,6 +168,8 @@ class ShmSendPath(SendPath):
         slot.transfer_id, slot.freed_at = "", self._ticks
 
     def close(self) -> None:
+        if self._device is not None:
+            self._device.close()
         for slot in self._slots.values():
             try:
                 (SHM_DIR / slot.name).unlink()
@@ -163,12 +181,26 @@ class ShmSendPath(SendPath):
 class ShmRecvPath(RecvPath):
     name = SHM
 
-    def __init__(self) -> None:
+    def __init__(self, ipc: IpcMemory | None = None) -> None:
         self._mappings: OrderedDict[str, torch.Tensor] = OrderedDict()
+        # ipc: device memory of this process's KV cache (None: it is in host memory)
+        self._device = ShmDeviceReceiver(ipc) if ipc is not None else None
+
+    def on_hello(self, peer: bytes, header: Header, reply: Reply) -> None:
+        """A sender on CUDA probes whether its device slots can be opened here."""
+        if self._device is None:
+            reply(Header(RELEASE, "", extra={TAKES_IPC: 0}))
+        else:
+            reply(self._device.answer_hello(header))
 
     def read(self, peer: bytes, header: Header, frames: list, shape: tuple[int, ...],
              reply: Reply) -> Received:
         tid = header.transfer_id
+        if is_device_header(header):
+            if self._device is None:
+                raise TransferRejected(f"{tid!r}: this receiver's KV cache is not on CUDA",
+                                       "cuda_ipc_unsupported", tid)
+            return self._device.read(header, frames, shape, reply)
         name, size = header.extra.get("file"), header.extra.get("size")
         if frames or not isinstance(name, str) or not _SLOT_NAME.match(name) \
                 or not isinstance(size, int) or size < header.nbytes:
@@ -203,3 +235,5 @@ class ShmRecvPath(RecvPath):
 
     def close(self) -> None:
         self._mappings.clear()
+        if self._device is not None:
+            self._device.close()
