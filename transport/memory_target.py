@@ -11,7 +11,7 @@ import threading
 import torch
 
 from workers.engine.kv_cache import copy_into_blocks, tensor_bytes
-from workers.engine.kv_types import ByteDigest, FramedKV, KVLayout, KVReservation
+from workers.engine.kv_types import ByteDigest, FramedKV, KVLayout, KVReservation, StreamedKV
 
 
 def make_layout(num_layers: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
@@ -64,9 +64,11 @@ class MemoryTarget:
             raise ValueError(f"shape {tuple(kv.shape)} != {expected}")
         if self.allocate:
             copy_into_blocks(self.layers[layer_idx], res.block_ids[res.num_cached_blocks:], kv, digest)
-        elif digest is not None:
+        else:  # no pool, yet a streamed payload must still leave its socket
+            kv = kv.joined() if isinstance(kv, StreamedKV) else kv
             for piece in kv.pieces if isinstance(kv, FramedKV) else (kv.contiguous(),):
-                digest.update(tensor_bytes(piece))
+                if digest is not None:
+                    digest.update(tensor_bytes(piece))
         res.layers_written.add(layer_idx)
         with self._lock:
             self.write_log.append((res.transfer_id, layer_idx))

@@ -28,7 +28,7 @@ from transport.base import (
 )
 from transport.metrics import TransportMetrics
 from transport.wire import Header
-from workers.engine.kv_types import FramedKV, KVLayout, KVReservation
+from workers.engine.kv_types import FramedKV, KVLayout, KVReservation, StreamedKV
 
 MAX_FINISHED = 8192  # ids remembered to reject replays and answer late `wait`s
 
@@ -52,9 +52,17 @@ class Transfer:
     data_path: str = ""
     nbytes: int = 0
     started_at: float = 0.0  # perf_counter() of the first message
-    # Held while a layer is copied in, so a concurrent failure cannot cancel the
-    # reservation under the copy.
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    # A layer is being written into the reserved blocks. A failure meanwhile must not free
+    # them under the writer (another request could get them): it is parked in `deferred`
+    # and the writer cancels the reservation when it lets go. (`fail` never waits for a
+    # writer: a payload read from a socket can take as long as its sender does.)
+    writing: bool = False
+    deferred: TransferError | None = None
+
+    @property
+    def failing(self) -> bool:
+        """A failure is waiting for the current write to end: stop it early if possible."""
+        return self.deferred is not None
 
 
 class TransferTable:
@@ -159,25 +167,49 @@ class TransferTable:
             raise reject(f"shape {header.shape} != expected {list(shape)}", "bounds")
         return shape
 
-    def write(self, t: Transfer, header: Header, kv: torch.Tensor | FramedKV, checksum: int | None) -> None:
+    def write(self, t: Transfer, header: Header, kv: torch.Tensor | FramedKV | StreamedKV,
+              checksum: int | None) -> None:
         """Copy layers into the reserved blocks (the one copy on the receive side), checking
         `checksum` (unless None) on the bytes as they land. On a mismatch the transfer fails
         and its blocks, never committed, are freed with the reservation."""
-        tid = header.transfer_id
-        with t.lock:
-            if t.future.done():
+        self._start_write(t, header.transfer_id)
+        if isinstance(kv, StreamedKV):
+            kv.stream.stop_when(lambda: t.failing)
+        try:
+            self._copy_in(t, header, kv, checksum)
+        finally:
+            deferred = self._end_write(t)
+        if deferred is not None:
+            raise TransferRejected(f"{header.transfer_id!r} failed during the write: {deferred}",
+                                   "late", header.transfer_id)
+
+    def _start_write(self, t: Transfer, tid: str) -> None:
+        with self._lock:
+            if self._pending.get(tid) is not t:
                 raise TransferRejected(f"{tid!r} already failed", "late", tid)
-            digest = new_payload_digest() if checksum is not None else None
-            for i in range(kv.shape[0]):
-                self.target.write_kv_layer(t.reservation, header.layer_start + i, _layer(kv, i), digest)
-            if digest is not None and digest.intdigest() != checksum:
-                if t.future.done():  # cancelled meanwhile: the target dropped the layer
-                    raise TransferRejected(f"{tid!r} already failed", "late", tid)
-                raise TransferCorrupt(f"payload of {tid!r} layer {header.layer_start} does not "
-                                      "match its checksum", "checksum", tid)
-            t.next_layer = header.layer_end
-            t.nbytes += header.nbytes
-            t.data_path = header.data_path
+            t.writing = True
+
+    def _end_write(self, t: Transfer) -> TransferError | None:
+        """Let go of the blocks; returns (and carries out) a failure that came meanwhile."""
+        with self._lock:
+            t.writing = False
+            deferred, t.deferred = t.deferred, None
+        if deferred is not None:
+            self._cancel(t, deferred)
+        return deferred
+
+    def _copy_in(self, t: Transfer, header: Header, kv: torch.Tensor | FramedKV | StreamedKV,
+                 checksum: int | None) -> None:
+        tid = header.transfer_id
+        digest = new_payload_digest() if checksum is not None else None
+        for i in range(kv.shape[0]):
+            self.target.write_kv_layer(t.reservation, header.layer_start + i, _layer(kv, i), digest)
+        if digest is not None and digest.intdigest() != checksum:
+            raise TransferCorrupt(f"payload of {tid!r} layer {header.layer_start} does not "
+                                  "match its checksum", "checksum", tid)
+        t.next_layer = header.layer_end
+        t.nbytes += header.nbytes
+        t.data_path = header.data_path
 
     def complete(self, t: Transfer, header: Header) -> None:
         tid = header.transfer_id
@@ -194,17 +226,22 @@ class TransferTable:
 
     def fail(self, transfer_id: str, error: TransferError) -> bool:
         """Cancel the reservation and resolve with `error`; False if not pending."""
+        error.transfer_id = error.transfer_id or transfer_id
         with self._lock:
             t = self._pending.pop(transfer_id, None)
             if t is None:
                 return False
             self._remember(transfer_id, t.future)
-        with t.lock:
-            self.target.cancel_kv(t.reservation)
-        self.metrics.transfer_failed(error.kind)
-        error.transfer_id = error.transfer_id or transfer_id
-        t.future.set_exception(error)
+            if t.writing:  # the writer cancels when it lets go of the blocks
+                t.deferred = error
+                return True
+        self._cancel(t, error)
         return True
+
+    def _cancel(self, t: Transfer, error: TransferError) -> None:
+        self.target.cancel_kv(t.reservation)
+        self.metrics.transfer_failed(error.kind)
+        t.future.set_exception(error)
 
     def fail_all(self, error_factory) -> None:
         for tid in self.pending_ids():
@@ -237,8 +274,12 @@ class TableReceiver(KVReceiver):
         return self.table.pending_ids()
 
 
-def _layer(kv: torch.Tensor | FramedKV, i: int) -> torch.Tensor | FramedKV:
-    """Layer `i` of a message's payload (a framed payload carries exactly one layer)."""
+def _layer(kv: torch.Tensor | FramedKV | StreamedKV, i: int) -> torch.Tensor | FramedKV | StreamedKV:
+    """Layer `i` of a message's payload (a framed or streamed payload carries exactly one layer)."""
+    if isinstance(kv, StreamedKV):
+        if kv.shape[0] != 1 or i != 0:
+            raise TransferCorrupt("a streamed payload must hold one layer", "malformed")
+        return StreamedKV(kv.stream, kv.shape[1:], kv.dtype)
     if isinstance(kv, FramedKV):
         if kv.shape[0] != 1 or i != 0:
             raise TransferCorrupt("a payload sent as several frames must hold one layer", "malformed")

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from workers.engine.kv_types import ByteDigest, FramedKV, KVLayout
+from workers.engine.kv_types import ByteDigest, ByteStream, FramedKV, KVLayout, StreamedKV
 
 DEFAULT_GPU_MEMORY_FRACTION = 0.9
 DEFAULT_CPU_KV_BYTES = 1 << 30
@@ -131,16 +131,21 @@ def copy_into_blocks(layer: torch.Tensor, block_ids: list[int], kv: torch.Tensor
     written, piece by piece while each piece is in cache, so verifying a received payload
     costs no second pass over memory. (The caller discards the blocks if it then fails.)
     `kv` may be a `FramedKV` (a payload received as several frames): its pieces are copied
-    in order, with no joined copy, into a CPU layer."""
+    in order, with no joined copy, into a CPU layer; or a `StreamedKV` (a payload still on
+    its socket), read straight into a CPU layer's blocks."""
     if kv.shape[0] != 2 or kv.shape[1] != len(block_ids) or kv.shape[2:] != layer.shape[2:]:
         raise ValueError(f"KV shape {tuple(kv.shape)} does not fit {len(block_ids)} blocks "
                          f"of {tuple(layer.shape[2:])}")
     if block_ids and not 0 <= min(block_ids) <= max(block_ids) < layer.shape[1]:
         raise ValueError(f"block ids outside [0, {layer.shape[1]})")  # a memmove must never overrun
-    if isinstance(kv, FramedKV):
-        if layer.device.type == "cpu" and layer.is_contiguous() and kv.dtype == layer.dtype:
-            _copy_pieces(layer, block_ids, kv.pieces, digest)
-            return
+    host_layer = layer.device.type == "cpu" and layer.is_contiguous() and kv.dtype == layer.dtype
+    if isinstance(kv, StreamedKV) and host_layer:
+        _read_spans(layer, block_ids, kv.stream, digest)
+        return
+    if isinstance(kv, FramedKV) and host_layer:
+        _copy_pieces(layer, block_ids, kv.pieces, digest)
+        return
+    if isinstance(kv, (FramedKV, StreamedKV)):
         kv = kv.joined()
     cpu_bytes = (layer.device.type == "cpu" and kv.device.type == "cpu" and kv.dtype == layer.dtype
                  and layer.is_contiguous() and kv.is_contiguous())
@@ -180,6 +185,19 @@ def _copy_pieces(layer: torch.Tensor, block_ids: list[int], pieces: tuple[torch.
             offset, left, pos = offset + take, left - take, pos + take
             if pos == size:
                 piece, pos = piece + 1, 0
+
+
+def _read_spans(layer: torch.Tensor, block_ids: list[int], stream: ByteStream,
+                digest: ByteDigest | None) -> None:
+    """Fill the blocks' spans in payload order straight from `stream`, in pieces of
+    `DIGEST_CHUNK_BYTES`, each fed to `digest` right after it lands (still in cache)."""
+    written = tensor_bytes(layer)
+    for offset, _, nbytes in _block_spans(layer, block_ids):
+        for start in range(offset, offset + nbytes, DIGEST_CHUNK_BYTES):
+            piece = written[start: min(start + DIGEST_CHUNK_BYTES, offset + nbytes)]
+            stream.fill(piece)
+            if digest is not None:
+                digest.update(piece)
 
 
 def copy_from_blocks(layer: torch.Tensor, block_ids: list[int], digest: ByteDigest | None = None,

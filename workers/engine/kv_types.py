@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
@@ -108,6 +109,44 @@ class FramedKV:
     def joined(self) -> torch.Tensor:
         """The layer as one tensor (one extra copy: only for a destination that is not host memory)."""
         return torch.cat([p.reshape(-1) for p in self.pieces]).view(self.dtype).view(self.shape)
+
+
+class ByteStream(Protocol):
+    """Bytes that arrive in order, read once (a transport's data connection)."""
+
+    def fill(self, view: memoryview) -> None:
+        """Read exactly `len(view)` bytes into `view`, or raise."""
+        ...
+
+    def stop_when(self, stop: Callable[[], bool]) -> None:
+        """The transport's hook: `fill` gives up (raises) while the sender is silent and
+        `stop()` is true, e.g. once the transfer failed elsewhere."""
+        ...
+
+
+@dataclass(frozen=True)
+class StreamedKV:
+    """One layer's payload still arriving on a `ByteStream`: `copy_into_blocks` reads it
+    straight into the destination blocks, so the kernel's copy out of the socket is the
+    only one on the receive side (a ZMQ message would land in libzmq's memory first)."""
+
+    stream: ByteStream
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device = torch.device("cpu")
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        return numel * torch.empty((), dtype=self.dtype).element_size()
+
+    def joined(self) -> torch.Tensor:
+        """The layer read into one host tensor: only for a destination that is not host memory."""
+        buf = torch.empty(self.nbytes, dtype=torch.uint8)
+        self.stream.fill(memoryview(buf.numpy()))
+        return buf.view(self.dtype).view(self.shape)
 
 
 @dataclass
