@@ -142,6 +142,10 @@ class TransportSettings(_Strict):
     backend: Literal["auto", "zmq", "nccl", "shm", "local"] = "auto"  # auto: same-node backend when possible
     host: str | None = None  # address to advertise; None: the node's IP (never hard-coded localhost)
     port: int = Field(default=0, ge=0, le=65535)  # 0: an ephemeral port per replica
+    # zmq/shm/auto between nodes: payloads over a per-pair TCP stream read straight into the
+    # KV blocks (the `tcp` data path, on `data_port`); false: in ZMQ frames on `port`
+    direct_tcp: bool = True
+    data_port: int = Field(default=0, ge=0, le=65535)  # 0: an ephemeral port per replica
     connect_timeout_s: float = Field(default=5.0, gt=0)
     transfer_timeout_s: float = Field(default=30.0, gt=0)
     key_file: str | None = None  # HMAC key file; else $PDC_TRANSPORT_KEY

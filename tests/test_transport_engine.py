@@ -61,7 +61,7 @@ def run_remote(engine, receiver, jobs, results, backend, tid, prompt, params, se
     return out[-1].token_ids
 
 
-@pytest.mark.parametrize("backend", ["zmq", "shm", "nccl"])
+@pytest.mark.parametrize("backend", ["zmq", "zmq-inline", "shm", "nccl"])
 def test_streamed_kv_decodes_token_identically(tiny_model_dir, backend, request):
     ctx = mp.get_context("spawn")
     jobs, results = ctx.Queue(), ctx.Queue()

@@ -109,7 +109,7 @@ def run_transfers(backend: str, premature_release: bool = False) -> tuple[dict, 
     return reservations, target, outcome
 
 
-@pytest.mark.parametrize("backend", ["zmq", "shm", "nccl"])
+@pytest.mark.parametrize("backend", ["zmq", "zmq-inline", "shm", "nccl"])
 def test_many_large_layers_back_to_back_land_bit_identical(backend):
     reservations, target, outcome = run_transfers(backend)
     first, second = outcome.pop("stats-0"), outcome.pop("stats-1")
@@ -129,7 +129,7 @@ def test_a_buffer_given_back_while_zmq_still_sends_it_is_caught():
     export overwrite layers libzmq is still sending, and the receiver's checksum refuses
     them. (Whether an overwrite lands mid-send is a race; a few tries make it certain.)"""
     for _ in range(3):
-        _, _, outcome = run_transfers("zmq", premature_release=True)
+        _, _, outcome = run_transfers("zmq-inline", premature_release=True)
         stats = outcome.pop("stats-1")
         outcome.pop("stats-0")
         assert stats["num_reused"] > 0, stats
@@ -144,8 +144,8 @@ def test_no_buffer_stays_lent_after_failed_or_cancelled_transfers():
     its buffers back in the pool, and the pool within its bound. The last one's buffers
     stay out while libzmq still holds their frames, until the sender closes its socket."""
     cache, target = source_cache(), MemoryTarget(BIG, 256)
-    rx = make_receiver(config("zmq", reservation_ttl_s=5), target)
-    tx = make_sender(config("zmq", transfer_timeout_s=1.5))
+    rx = make_receiver(config("zmq-inline", reservation_ttl_s=5), target)
+    tx = make_sender(config("zmq-inline", transfer_timeout_s=1.5))
     block_ids = list(range(40))
     try:
         refused = tx.open("never-expected", rx.address, BIG)

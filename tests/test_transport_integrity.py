@@ -9,13 +9,14 @@ import time
 import pytest
 import torch
 
-from tests.test_transport_backends import LAYOUT, config
+from tests.test_transport_backends import KEY, LAYOUT, config
 from tests.test_transport_faults import SHORT_S, assert_still_serves, send_all
 from transport.base import TransferAborted, TransferCorrupt, TransferRejected
 from transport.datapath import InlineSendPath
 from transport.factory import make_receiver, make_sender
 from transport.memory_target import MemoryTarget, synthetic_layers
 from transport.shm_backend import ShmSendPath
+from transport.tcp_path import TcpSendPath
 from transport.wire import payload_checksum
 from transport.zmq_backend import ZmqSender
 
@@ -37,13 +38,24 @@ class _CorruptingShmPath(ShmSendPath):
         return frames
 
 
-@pytest.mark.parametrize("backend, path", [("zmq", _CorruptingPath),
-                                           ("shm", lambda: _CorruptingShmPath(1 << 24))],
-                         ids=["inline", "shm"])
+class _CorruptingTcpPath(TcpSendPath):
+    """Flips a byte on its way into the data connection, after the checksum was made."""
+
+    def after_send(self, header, kv):
+        flipped = kv.clone()
+        flipped.view(-1).view(torch.uint8)[header.nbytes // 2] ^= 0x01
+        super().after_send(header, flipped)
+
+
+@pytest.mark.parametrize("backend, path", [
+    ("zmq-inline", lambda addr: _CorruptingPath()),
+    ("shm", lambda addr: _CorruptingShmPath(1 << 24)),
+    ("zmq", lambda addr: _CorruptingTcpPath(addr, KEY.encode(), 10, 10)),
+], ids=["inline", "shm", "tcp"])
 def test_corrupt_frame_is_detected(backend, path):
     target = MemoryTarget(LAYOUT, 32)
     rx = make_receiver(config(backend, reservation_ttl_s=SHORT_S), target)
-    tx = ZmqSender(config(backend), lambda addr: path())
+    tx = ZmqSender(config(backend), path)
     res = target.reserve("corrupt", 2)
     rx.expect("corrupt", res)
     sink = tx.open("corrupt", rx.address, LAYOUT)

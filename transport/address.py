@@ -1,9 +1,11 @@
 """Advertised receiver addresses, the node identity, and the host a peer can reach.
 
-An address is `tcp://HOST:PORT?node=NODE_ID&paths=inline,shm,pg[&curve=Z85_PUBLIC_KEY]`
+An address is
+`tcp://HOST:PORT?node=NODE_ID&paths=inline,shm,pg,tcp[&data_port=PORT][&curve=Z85_PUBLIC_KEY]`
 (or `local://NAME` in-process). The router passes it from decode to prefill untouched;
 the sender reads `node` to pick shared memory when both ends share a node, `paths` to
-know what the receiver accepts, and `curve` to encrypt with CurveZMQ.
+know what the receiver accepts, `data_port` to open the `tcp` path's data connection,
+and `curve` to encrypt with CurveZMQ.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class PeerAddress:
     node_id: str = ""
     data_paths: tuple[str, ...] = ("inline",)
     curve_public_key: str = ""  # Z85; empty = no encryption
+    data_port: int = 0  # the `tcp` data path's listening port on `host`; 0 = none
 
     @property
     def endpoint(self) -> str:
@@ -36,6 +39,8 @@ class PeerAddress:
         if self.scheme == "local":
             return f"local://{self.host}"
         query = {"node": self.node_id, "paths": ",".join(self.data_paths)}
+        if self.data_port:
+            query["data_port"] = str(self.data_port)
         if self.curve_public_key:
             query["curve"] = self.curve_public_key
         return f"{self.endpoint}?{urlencode(query)}"
@@ -52,8 +57,12 @@ class PeerAddress:
         paths = tuple(p for p in query.get("paths", "inline").split(",") if p)
         if not set(paths) <= DATA_PATHS:
             raise ValueError(f"unknown data paths in {text!r}")
+        data_port = query.get("data_port", "0")
+        if not data_port.isdigit() or not 0 <= int(data_port) < 65536 \
+                or ("tcp" in paths) != (int(data_port) > 0):
+            raise ValueError(f"bad data_port in {text!r}")
         return cls("tcp", parts.hostname, parts.port, query.get("node", ""), paths,
-                   query.get("curve", ""))
+                   query.get("curve", ""), int(data_port))
 
 
 def default_node_id() -> str:

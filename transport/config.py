@@ -37,6 +37,11 @@ class TransportConfig(BaseModel):
     key: SecretStr | None = None
     key_file: Path | None = None
     curve: bool = False  # CurveZMQ encryption of the control plane and inline payloads
+    # zmq/shm/auto: move payloads between nodes over a per-pair TCP stream read straight into
+    # the KV blocks (the `tcp` data path) rather than in ZMQ frames. Off with `curve` (its
+    # payload is not encrypted). `data_port`: its listening port on `host`, 0 = any free one.
+    direct_tcp: bool = True
+    data_port: int = Field(0, ge=0, le=65535)
 
     @model_validator(mode="after")
     def _check_key_source(self) -> TransportConfig:

@@ -124,6 +124,10 @@ class RecvPath(ABC):
     def on_hello(self, peer: bytes, header: Header, reply: Reply) -> None:
         raise TransferCorrupt(f"{self.name} path has no handshake", "malformed")
 
+    def address_fields(self) -> dict[str, int]:
+        """`PeerAddress` fields this path advertises (e.g. a data port)."""
+        return {}
+
     def discard(self, peer: bytes, header: Header, max_bytes: int) -> None:  # noqa: B027 - optional hook
         """Drop the payload of a layer that was refused before `read` (frames that came
         with the header, or a slot the sender reclaims, need nothing)."""

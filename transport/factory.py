@@ -3,13 +3,16 @@
 Every network backend shares the ZMQ control plane and differs in the data paths it
 accepts (receiver) or prefers (sender):
 
-| backend | receiver accepts | sender sends                                             |
-|---------|------------------|----------------------------------------------------------|
-| zmq     | inline           | inline                                                   |
-| shm     | inline, shm      | shm when the peer is on this node, else inline           |
-| nccl    | inline, pg       | pg (NCCL on CUDA, Gloo on CPU) when the peer accepts it  |
-| auto    | inline, shm, pg  | shm on the same node; pg with CUDA; else inline          |
-| local   | in-process only  | in-process only                                          |
+| backend | receiver accepts      | sender sends                                          |
+|---------|-----------------------|-------------------------------------------------------|
+| zmq     | inline, tcp           | tcp when the peer accepts it, else inline             |
+| shm     | inline, shm, tcp      | shm when the peer is on this node, else as zmq        |
+| nccl    | inline, pg            | pg (NCCL on CUDA, Gloo on CPU) when the peer accepts it |
+| auto    | inline, shm, pg, tcp  | shm on the same node; pg with CUDA; else as zmq       |
+| local   | in-process only       | in-process only                                       |
+
+`tcp` is offered and used only with `direct_tcp` on and `curve` off (its payload is not
+encrypted).
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ from transport.local_backend import LocalReceiver, LocalSender
 from transport.metrics import TransportMetrics
 from transport.nccl_backend import PgRecvPath, PgSendPath
 from transport.shm_backend import ShmRecvPath, ShmSendPath, shm_available
-from transport.wire import PG, SHM
+from transport.tcp_path import TcpRecvPath, TcpSendPath
+from transport.wire import PG, SHM, TCP
 from transport.zmq_backend import ZmqReceiver, ZmqSender
 
-_RECV_PATHS = {"zmq": (), "shm": (SHM,), "nccl": (PG,), "auto": (SHM, PG)}
+_RECV_PATHS = {"zmq": (TCP,), "shm": (SHM, TCP), "nccl": (PG,), "auto": (SHM, PG, TCP)}
 
 
 def _device() -> str:
@@ -40,12 +44,17 @@ def make_receiver(config: TransportConfig, target: KVTarget,
     """The decode side's receiver, bound and serving; `.address` is what to advertise."""
     if config.backend == "local":
         return LocalReceiver(config, target, metrics)
+    metrics = metrics or TransportMetrics()
     paths: list[RecvPath] = [InlineRecvPath()]
     for name in _RECV_PATHS[config.backend]:
         if name == SHM and shm_available():
             paths.append(ShmRecvPath(cuda_ipc_for(_device())))
         elif name == PG:
             paths.append(PgRecvPath(config.connect_timeout_s, _device()))
+        elif name == TCP and _direct_tcp(config):
+            paths.append(TcpRecvPath(config.host or reachable_host(None), config.data_port,
+                                     config.resolve_key(), config.connect_timeout_s,
+                                     metrics.rejected))
     receiver = ZmqReceiver(config, target, paths, metrics)
     receiver.backend = config.backend
     return receiver
@@ -57,7 +66,7 @@ def make_sender(config: TransportConfig, metrics: TransportMetrics | None = None
         return LocalSender(config)
     node_id = config.node_id or default_node_id()
     host = reachable_host(config.host)
-    backend, device = config.backend, _device()
+    backend, device, key = config.backend, _device(), config.resolve_key()
 
     def choose_path(peer: PeerAddress) -> SendPath:
         same_node = peer.node_id == node_id and shm_available()
@@ -66,8 +75,14 @@ def make_sender(config: TransportConfig, metrics: TransportMetrics | None = None
         wants_pg = backend == "nccl" or (backend == "auto" and device == "cuda")
         if wants_pg and PG in peer.data_paths:
             return PgSendPath(host, config.connect_timeout_s, device)
+        if _direct_tcp(config) and TCP in peer.data_paths and not peer.curve_public_key:
+            return TcpSendPath(peer, key, config.connect_timeout_s, config.transfer_timeout_s)
         return InlineSendPath()
 
     sender = ZmqSender(config, choose_path, metrics)
     sender.backend = backend
     return sender
+
+
+def _direct_tcp(config: TransportConfig) -> bool:
+    return config.direct_tcp and not config.curve

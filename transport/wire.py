@@ -28,9 +28,10 @@ HELLO, LAYER, DONE, ABORT, ACK, NACK, RELEASE = (
 KINDS = frozenset((HELLO, LAYER, DONE, ABORT, ACK, NACK, RELEASE))
 
 # Data paths: how a LAYER's bytes travel. inline = ZMQ frames after the header;
-# shm = a same-node shared-memory file named in `extra`; pg = a per-pair Gloo/NCCL group.
-INLINE, SHM, PG = "inline", "shm", "pg"
-DATA_PATHS = frozenset((INLINE, SHM, PG))
+# shm = a same-node shared-memory file named in `extra`; pg = a per-pair Gloo/NCCL group;
+# tcp = a per-pair TCP stream the receiver reads straight into its KV blocks.
+INLINE, SHM, PG, TCP = "inline", "shm", "pg", "tcp"
+DATA_PATHS = frozenset((INLINE, SHM, PG, TCP))
 
 
 @dataclass

@@ -81,9 +81,10 @@ class ZmqReceiver(TableReceiver):
             sock.setsockopt(zmq.IPV6, 1)
         sock.bind(f"tcp://{host}:{cfg.port or '*'}")
         port = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+        fields = {k: v for p in self._paths.values() for k, v in p.address_fields().items()}
         self._address = PeerAddress("tcp", reachable_host(cfg.host), port,
                                     cfg.node_id or default_node_id(), tuple(self._paths),
-                                    curve_public)
+                                    curve_public, **fields)
         return sock
 
     # -- KVReceiver ---------------------------------------------------------------------------

@@ -11,7 +11,8 @@ def transport_config(config: ClusterConfig, key: str | None):
 
     t = config.transport
     key = key or config.secrets.transport_key()
-    fields = dict(backend=t.backend, host=t.host, port=t.port, connect_timeout_s=t.connect_timeout_s,
+    fields = dict(backend=t.backend, host=t.host, port=t.port, direct_tcp=t.direct_tcp,
+                  data_port=t.data_port, connect_timeout_s=t.connect_timeout_s,
                   transfer_timeout_s=t.transfer_timeout_s, reservation_ttl_s=t.transfer_timeout_s,
                   node_id=_ray_node_id())
     if t.key_file and not key:
