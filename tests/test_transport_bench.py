@@ -15,6 +15,6 @@ def test_bench_transport_prints_json():
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
     names = {r["name"] for r in out["results"]}
-    assert {"zmq", "nccl", "shm", "raw_tcp", "memcpy"} <= names
+    assert {"zmq", "zmq_inline", "nccl", "shm", "raw_tcp", "memcpy"} <= names
     assert all(r["gb_per_s"] > 0 for r in out["results"])
     assert "zmq_vs_raw_tcp_1MiB" in out["ratios"]

@@ -3,8 +3,10 @@
 Every figure is the median of repeated transfers between two processes, timed on the
 sending side from the first byte handed over to the receiver's acknowledgement (which it
 sends once the data sits in its KV blocks); the methods of one size take turns, one
-transfer each per round, so a shared machine's changing load weighs on all of them alike. GB/s = 1e9 bytes/s. Payloads are streamed as
-8 layers, like a real prompt. Baselines: a raw TCP socket carrying the same bytes into a
+transfer each per round, so a shared machine's changing load weighs on all of them alike.
+GB/s = 1e9 bytes/s. Payloads are streamed as 8 layers, like a real prompt. The rows are
+`VARIANTS`: `zmq` as deployed (payload on the `tcp` data path, read straight into the
+blocks), `zmq_inline` (payload in ZMQ frames), `zmq_curve`, `nccl` and `shm`. Baselines: a raw TCP socket carrying the same bytes into a
 preallocated buffer (the loopback limit), Ray's object store (`ray.put` in one actor,
 `ray.get` plus one copy into a destination in another, timed inside the actors so the
 actor-call overhead is excluded) across two raylets (`ray_object_store`: the bytes cross
@@ -35,6 +37,7 @@ from transport.bench_ray import time_ray
 from transport.config import TransportConfig
 from transport.datapath import copy_bytes
 from transport.memory_target import MemoryTarget
+from transport.tcp_accept import tune
 from workers.engine.kv_types import KVLayout
 
 MIB = 1 << 20
@@ -51,9 +54,23 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _config(backend: str, curve: bool = False) -> TransportConfig:
-    return TransportConfig(backend=backend, host="127.0.0.1", key=BENCH_KEY, curve=curve,
-                           transfer_timeout_s=120, reservation_ttl_s=120, connect_timeout_s=60)
+# What each transport row measures: a backend and the options it runs with. `zmq` is the
+# backend as deployed (ZMQ headers, payload on the `tcp` data path straight into the
+# blocks); `zmq_inline` carries the payload in ZMQ frames, as `curve` does.
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "zmq": ("zmq", {}),
+    "zmq_inline": ("zmq", {"direct_tcp": False}),
+    "zmq_curve": ("zmq", {"curve": True}),
+    "nccl": ("nccl", {}),
+    "shm": ("shm", {}),
+}
+
+
+def _config(variant: str) -> TransportConfig:
+    backend, options = VARIANTS[variant]
+    return TransportConfig(backend=backend, host="127.0.0.1", key=BENCH_KEY,
+                           transfer_timeout_s=120, reservation_ttl_s=120, connect_timeout_s=60,
+                           **options)
 
 
 # -- the receiving process ---------------------------------------------------------------------
@@ -68,14 +85,14 @@ def _receiver_main(conn, layout_fields: tuple, num_blocks: int) -> None:
     while (msg := conn.recv()) is not None:
         cmd, *args = msg
         if cmd == "start":
-            backend, curve = args
-            receivers[backend, curve] = make_receiver(_config(backend, curve), target)
-            conn.send(receivers[backend, curve].address)
+            (variant,) = args
+            receivers[variant] = make_receiver(_config(variant), target)
+            conn.send(receivers[variant].address)
         elif cmd == "expect":
-            key, tid, n = args
+            variant, tid, n = args
             res = target.reserve(tid, n)
-            receivers[key].expect(tid, res)
-            receivers[key].future(tid).add_done_callback(lambda f, r=res: target.commit(r))
+            receivers[variant].expect(tid, res)
+            receivers[variant].future(tid).add_done_callback(lambda f, r=res: target.commit(r))
             conn.send("ok")
         elif cmd == "tcp":
             conn.send(_tcp_server_port(args[0]))
@@ -104,19 +121,19 @@ class ReceiverProcess:
 
 # -- transport backends ------------------------------------------------------------------------
 
-def transport_timer(rx: ReceiverProcess, backend: str, layout: KVLayout,
-                    layers: list[tuple[torch.Tensor, int]], curve: bool = False) -> Iterator[float]:
-    """Seconds of one more transfer of `layers`, per `next()`; an untimed first transfer
-    warms connections and buffers."""
+def transport_timer(rx: ReceiverProcess, variant: str, layout: KVLayout,
+                    layers: list[tuple[torch.Tensor, int]]) -> Iterator[float]:
+    """Seconds of one more transfer of `layers` by `VARIANTS[variant]`, per `next()`; an
+    untimed first transfer warms connections and buffers."""
     from transport.factory import make_sender
 
-    address = rx.call("start", backend, curve)
-    sender = make_sender(_config(backend, curve))
+    address = rx.call("start", variant)
+    sender = make_sender(_config(variant))
     num_blocks = layers[0][0].shape[1]
     try:
         for i in itertools.count():
-            tid = f"bench-{backend}-{curve}-{num_blocks}-{i}"
-            rx.call("expect", (backend, curve), tid, num_blocks)
+            tid = f"bench-{variant}-{num_blocks}-{i}"
+            rx.call("expect", variant, tid, num_blocks)
             t0 = time.perf_counter()
             sink = sender.open(tid, address, layout)
             for layer_idx, (kv, checksum) in enumerate(layers):
@@ -129,11 +146,10 @@ def transport_timer(rx: ReceiverProcess, backend: str, layout: KVLayout,
         sender.close()
 
 
-def time_transport(rx: ReceiverProcess, backend: str, layout: KVLayout, num_blocks: int,
-                   repeats: int, curve: bool = False) -> list[float]:
+def time_transport(rx: ReceiverProcess, variant: str, layout: KVLayout, num_blocks: int,
+                   repeats: int) -> list[float]:
     layers = exported_layers(layout, num_blocks)
-    return interleaved({backend: transport_timer(rx, backend, layout, layers, curve)},
-                       repeats)[backend]
+    return interleaved({variant: transport_timer(rx, variant, layout, layers)}, repeats)[variant]
 
 
 def interleaved(timers: dict[str, Iterator[float]], repeats: int) -> dict[str, list[float]]:
@@ -162,6 +178,7 @@ def _tcp_server_port(nbytes: int) -> int:
     def serve() -> None:
         conn, _ = srv.accept()
         srv.close()
+        tune(conn)
         view = memoryview(bytearray(nbytes))
         with conn:
             while _recv_exactly(conn, view):  # until the client closes
@@ -184,6 +201,7 @@ def raw_tcp_timer(rx: ReceiverProcess, nbytes: int) -> Iterator[float]:
     port = rx.call("tcp", nbytes)
     data = memoryview(bytearray(torch.randint(0, 255, (nbytes,), dtype=torch.uint8).numpy()))
     with socket.create_connection(("127.0.0.1", port)) as sock:
+        tune(sock)  # TCP_NODELAY, as the `tcp` data path: the last segment never waits
         for i in itertools.count():
             t0 = time.perf_counter()
             sock.sendall(data)
@@ -226,10 +244,10 @@ def run(sizes_mib: list[int], repeats: int, with_ray: bool = True, with_curve: b
             reps = max(1, repeats if mib < 256 else (repeats + 1) // 2)
             log(f"{mib} MiB ({reps} interleaved repeats)")
             layers = exported_layers(layout, num_blocks)
-            timers = {backend: transport_timer(rx, backend, layout, layers)
-                      for backend in ("zmq", "nccl", "shm")}
+            timers = {variant: transport_timer(rx, variant, layout, layers)
+                      for variant in ("zmq", "zmq_inline", "nccl", "shm")}
             if with_curve and mib <= 64:
-                timers["zmq_curve"] = transport_timer(rx, "zmq", layout, layers, curve=True)
+                timers["zmq_curve"] = transport_timer(rx, "zmq_curve", layout, layers)
             timers["raw_tcp"] = raw_tcp_timer(rx, nbytes)
             timers["memcpy"] = memcpy_timer(nbytes)
             for name, times in interleaved(timers, reps).items():
@@ -262,11 +280,12 @@ def _ratios(results: list[dict], sizes_mib: list[int]) -> dict[str, float]:
     # zmq is the cross-node transport, so its Ray peer is Ray's cross-node pull; the
     # same-node object store is shared memory, the peer of `shm` (both are reported).
     return {f"zmq_vs_raw_tcp_{mib}MiB": ratio("zmq", "raw_tcp"),
+            f"zmq_inline_vs_raw_tcp_{mib}MiB": ratio("zmq_inline", "raw_tcp"),
             f"zmq_vs_ray_object_store_{mib}MiB": ratio("zmq", "ray_object_store"),
             f"shm_vs_memcpy_{mib}MiB": ratio("shm", "memcpy"),
             f"zmq_vs_ray_object_store_same_node_{mib}MiB": ratio("zmq", "ray_object_store_same_node"),
             f"shm_vs_ray_object_store_same_node_{mib}MiB": ratio("shm", "ray_object_store_same_node"),
-            f"zmq_curve_vs_zmq_{mib}MiB": ratio("zmq_curve", "zmq")}
+            f"zmq_curve_vs_zmq_{mib}MiB": ratio("zmq_curve", "zmq_inline")}
 
 
 def measure_overlap(prompt_len: int = 2000, backend: str = "zmq", preset: str = "small",
@@ -305,13 +324,13 @@ def _measure_overlap(prompt_len: int, backend: str, preset: str) -> dict:
     rx = ReceiverProcess(layout, num_blocks * 4)
     sender = make_sender(_config(backend))
     try:
-        address = rx.call("start", backend, False)
+        address = rx.call("start", backend)
         prompt = [(31 * i + 7) % 250 for i in range(prompt_len)]
         params = SamplingParams(max_tokens=1, temperature=0.0)
         timings = []
         for i in range(3):
             tid = f"overlap-{i}"
-            rx.call("expect", (backend, False), tid, num_blocks)
+            rx.call("expect", backend, tid, num_blocks)
             sink = _TimedSink(sender.open(tid, address, layout))
             engine.add_request(tid, [p + i for p in prompt], params, kv_sink=sink)
             t0 = time.perf_counter()

@@ -12,7 +12,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
     def bench_transport(
         json_out: bool = typer.Option(False, "--json", help="Print the JSON object on stdout."),
         sizes: str = typer.Option("1,16,64,256", help="Payload sizes in MiB, comma-separated."),
-        repeats: int = typer.Option(5, min=1, help="Timed transfers per size (median)."),
+        repeats: int = typer.Option(9, min=1, help="Timed transfers per size (median; half at 256 MiB)."),
         ray: bool = typer.Option(True, help="Include the Ray object store baseline."),
         curve: bool = typer.Option(True, help="Include CurveZMQ-encrypted zmq (<= 64 MiB)."),
         overlap: bool = typer.Option(True, help="Measure the small-preset overlap tail."),
