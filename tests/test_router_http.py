@@ -242,12 +242,15 @@ def test_generate_travels_over_the_worker_stream(client):
         text = client.get("/metrics").text
         calls, served = _sum_by(text, "pdc_worker_calls_total", "path"), _sum_by(
             text, "pdc_worker_stream_calls_total", "method")
-        if (calls.get("stream", 0) >= 2 and served.get("prefill", 0) >= 1) or time.monotonic() > deadline:
+        received = _sum_by(text, "pdc_kv_received_bytes_total", "path")
+        if (calls.get("stream", 0) >= 2 and served.get("prefill", 0) >= 1 and received) \
+                or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert calls.get("stream", 0) >= 2 and calls.get("handle", 0) == 0, calls
     # the workers served them, and the decode replica called the prefill replica over it too
     assert served.get("generate", 0) >= 2 and served.get("prefill", 0) >= 1, served
+    assert sum(received.values()) > 0, received  # and received the KV, by some data path
 
 
 def _sum_by(text: str, name: str, label: str) -> dict[str, float]:

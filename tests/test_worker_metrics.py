@@ -41,3 +41,16 @@ def test_a_decode_replica_shows_no_export_pool_gauge():
     m = WorkerMetrics("tiny", "decode", "r2")
     m.update_from_stats({"kv_blocks_free": 5, "kv_blocks_total": 8})
     assert not any(name == "pdc_export_pool_bytes" for name, _ in _samples(m))
+
+
+def test_a_decode_replicas_transport_counters_reach_prometheus():
+    m = WorkerMetrics("tiny", "decode", "r3")
+    m.update_from_stats({"kv_rejections_bad_mac_total": 2, "kv_received_bytes_tcp_total": 100})
+    m.update_from_stats({"kv_rejections_bad_mac_total": 3, "kv_rejections_checksum_total": 1,
+                         "kv_received_bytes_tcp_total": 400, "kv_received_bytes_shm_total": 50})
+    got = _samples(m)
+    model = ("model", "tiny")
+    assert got[("pdc_kv_transfer_rejections_total", (model, ("reason", "bad_mac")))] == 3
+    assert got[("pdc_kv_transfer_rejections_total", (model, ("reason", "checksum")))] == 1
+    assert got[("pdc_kv_received_bytes_total", (model, ("path", "tcp")))] == 400
+    assert got[("pdc_kv_received_bytes_total", (model, ("path", "shm")))] == 50

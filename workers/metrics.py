@@ -44,6 +44,13 @@ class WorkerMetrics:
             "pdc_export_buffers", "Large KV layers a prefill replica exported, by where the copy landed: "
             "a reused pooled buffer, a newly pooled one, or a fresh allocation (the pool at its bound)",
             ["model", "outcome"], registry=r)
+        self.kv_rejections = Counter(
+            "pdc_kv_transfer_rejections", "KV transfer messages and data connections decode replicas "
+            "refused, by reason (bad_mac, replay, unknown, fingerprint, bounds, checksum, timeout, ...)",
+            ["model", "reason"], registry=r)
+        self.kv_received_bytes = Counter(
+            "pdc_kv_received_bytes", "KV bytes decode replicas received, by data path (tcp, inline, "
+            "shm, pg)", ["model", "path"], registry=r)
         names = ("model", "pool", "replica")
         self.export_pool_bytes = Gauge("pdc_export_pool_bytes", "Host memory held by a prefill replica's "
                                        "pool of export buffers", names, registry=r)
@@ -68,6 +75,8 @@ class WorkerMetrics:
             self._mirror(self.stream_calls, stats, f"stream_{method}_calls_total", method)
         for outcome in ("reused", "allocated", "fallback"):
             self._mirror(self.export_buffers, stats, f"export_buffers_{outcome}_total", outcome)
+        self._mirror_family(self.kv_rejections, stats, "kv_rejections_")
+        self._mirror_family(self.kv_received_bytes, stats, "kv_received_bytes_")
         labels = self._gauge_labels
         self.blocks_free.labels(**labels).set(stats.get("kv_blocks_free", 0))
         self.blocks_total.labels(**labels).set(stats.get("kv_blocks_total", 0))
@@ -81,6 +90,12 @@ class WorkerMetrics:
         delta = stats.get(key, 0) - self._last_stats.get(key, 0)
         if delta > 0:
             counter.labels(self.model, *labels).inc(delta)
+
+    def _mirror_family(self, counter: Counter, stats: dict, prefix: str) -> None:
+        """Mirror every `<prefix><label>_total` stat, the label taken from its name."""
+        for key in stats:
+            if key.startswith(prefix) and key.endswith("_total"):
+                self._mirror(counter, stats, key, key[len(prefix):-len("_total")])
 
     def render(self) -> str:
         return generate_latest(self.registry).decode()
