@@ -68,6 +68,19 @@ class RawPeer:
         self.ctx.term()
 
 
+def tcp_path_of(rx):
+    (path,) = [p for p in rx._paths.values() if p.name == TCP]
+    return path
+
+
+def wait_until_reading(rx) -> None:
+    """Until the receiver is taking a layer off the data connection (the header is in)."""
+    deadline = time.monotonic() + 5
+    while not tcp_path_of(rx)._reading:
+        assert time.monotonic() < deadline, "the layer's header never reached the receiver"
+        time.sleep(0.01)
+
+
 @pytest.fixture
 def tcp_receiver():
     target = MemoryTarget(LAYOUT, 32)
@@ -134,7 +147,7 @@ def test_a_layer_stalled_mid_way_fails_promptly_when_cancelled(tcp_receiver):
     peer = RawPeer(rx.address)
     kv = synthetic_layers(LAYOUT, 8, 2)[0]
     peer.send_layer("stalled", 0, 0, kv, upto=kv.numel() * 2)  # half the layer, then silence
-    time.sleep(0.5)  # the receiver is now writing it into the blocks
+    wait_until_reading(rx)  # the receiver is now writing it into the blocks
     start = time.monotonic()
     rx.cancel("stalled")
     with pytest.raises(TransferAborted):
@@ -169,6 +182,7 @@ def test_a_sender_that_dies_mid_layer_fails_its_transfer_at_once(tcp_receiver):
     peer = RawPeer(rx.address)
     kv = synthetic_layers(LAYOUT, 4, 4)[0]
     peer.send_layer("dies", 0, 0, kv, upto=1000)
+    wait_until_reading(rx)
     start = time.monotonic()
     peer.close()  # both connections drop, as when the process is killed
     with pytest.raises(PeerGone):
@@ -218,3 +232,22 @@ def test_addresses_with_a_bad_data_port_are_refused(text):
 def test_address_round_trips_the_data_port():
     addr = PeerAddress("tcp", "10.0.0.7", 5000, "node", ("inline", "tcp"), data_port=6001)
     assert PeerAddress.parse(str(addr)) == addr
+
+
+def test_senders_that_went_away_leave_no_connection_or_thread_behind(tcp_receiver):
+    """Prefill replicas restart and scale down: each new sender's handshake retires the
+    data connections and worker threads of senders whose end has closed."""
+    rx, target = tcp_receiver
+    for i in range(4):
+        tx = make_sender(config("zmq"))
+        res = target.reserve(f"churn-{i}", 2)
+        rx.expect(f"churn-{i}", res)
+        send_all(tx.open(f"churn-{i}", rx.address, LAYOUT), synthetic_layers(LAYOUT, 2, i), i)
+        assert rx.wait(f"churn-{i}", 10) == i
+        target.commit(res)
+        tx.close()
+    tcp = tcp_path_of(rx)
+    time.sleep(0.2)  # the last close reaches the receiver
+    assert tcp.num_connections() == 1 and rx.num_peer_workers == 1  # only the last sender's
+    assert_still_serves(rx, target)  # a fifth sender: the fourth is retired in turn
+    assert tcp.num_connections() == 1 and rx.num_peer_workers == 1

@@ -128,6 +128,10 @@ class RecvPath(ABC):
         """`PeerAddress` fields this path advertises (e.g. a data port)."""
         return {}
 
+    def reap(self) -> list[bytes]:
+        """Peers this path saw go away since the last call (their state is dropped)."""
+        return []
+
     def discard(self, peer: bytes, header: Header, max_bytes: int) -> None:  # noqa: B027 - optional hook
         """Drop the payload of a layer that was refused before `read` (frames that came
         with the header, or a slot the sender reclaims, need nothing)."""

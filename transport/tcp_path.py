@@ -155,6 +155,7 @@ class TcpRecvPath(RecvPath):
         self.timeout_s = timeout_s
         self._acceptor = DataAcceptor(host, port, key, timeout_s, on_reject)
         self._conns: dict[bytes, socket.socket] = {}
+        self._reading: set[bytes] = set()  # peers whose layer a reader is taking off the stream
         self._lock = threading.Lock()
 
     def address_fields(self) -> dict[str, int]:
@@ -182,8 +183,29 @@ class TcpRecvPath(RecvPath):
             raise TransferCorrupt(f"{header.transfer_id!r}: no data connection with this peer",
                                   "malformed", header.transfer_id)
         stream = SocketStream(sock, header.nbytes, self.timeout_s, lambda: self._replace(peer, None))
+        with self._lock:
+            self._reading.add(peer)
+
+        def release() -> None:
+            try:
+                stream.finish()
+            finally:
+                with self._lock:
+                    self._reading.discard(peer)
+
         return Received(StreamedKV(stream, tuple(shape), getattr(torch, header.dtype)),
-                        header.checksum, stream.finish)
+                        header.checksum, release)
+
+    def reap(self) -> list[bytes]:
+        """Close the connections of senders that went away (their end closed: a restarted or
+        scaled-down prefill replica) and return those peers, so the receiver can retire
+        their worker threads. Peeking never takes bytes off a live stream."""
+        with self._lock:
+            idle = [(p, s) for p, s in self._conns.items() if p not in self._reading]
+        gone = [peer for peer, sock in idle if _closed_by_peer(sock)]
+        for peer in gone:
+            self._replace(peer, None)
+        return gone
 
     def discard(self, peer: bytes, header: Header, max_bytes: int) -> None:
         """Drain a refused layer's payload; one that cannot be received safely (beyond
@@ -201,6 +223,10 @@ class TcpRecvPath(RecvPath):
         except Exception:  # noqa: BLE001 - out of step now: the connection is gone
             pass
 
+    def num_connections(self) -> int:
+        with self._lock:
+            return len(self._conns)
+
     def _replace(self, peer: bytes, sock: socket.socket | None) -> None:
         with self._lock:
             old = self._conns.pop(peer, None)
@@ -215,3 +241,12 @@ class TcpRecvPath(RecvPath):
             conns, self._conns = list(self._conns.values()), {}
         for sock in conns:
             sock.close()
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError):
+        return False  # open, nothing pending
+    except OSError:
+        return True  # reset

@@ -160,12 +160,24 @@ class ZmqReceiver(TableReceiver):
         path = self._paths.get(header.data_path)
         if path is None:
             raise TransferRejected(f"data path {header.data_path!r} not accepted", "data_path")
+        self._retire_gone_peers()  # a new connection is when old ones have usually gone
         if path.blocking and peer not in self._workers:
             self._workers[peer] = _PeerWorker(self, peer)
         if path.blocking:
             self._workers[peer].submit(header, [])
         else:
             path.on_hello(peer, header, self._reply_fn(peer))
+
+    def _retire_gone_peers(self) -> None:
+        for path in self._paths.values():
+            for gone in path.reap():
+                worker = self._workers.pop(gone, None)
+                if worker is not None:
+                    worker.retire()
+
+    @property
+    def num_peer_workers(self) -> int:
+        return len(self._workers)
 
     def handle(self, peer: bytes, header: Header, payload: list) -> None:
         """Process one authenticated message, in per-peer order."""
@@ -264,8 +276,12 @@ class _PeerWorker(threading.Thread):
     def submit(self, header: Header, payload: list) -> None:
         self._inbox.put((header, payload))
 
-    def stop(self) -> None:
+    def retire(self) -> None:
+        """Exit after the messages already queued; never waits (called on the socket thread)."""
         self._inbox.put(None)
+
+    def stop(self) -> None:
+        self.retire()
         self.join(timeout=1)
 
     def run(self) -> None:
