@@ -24,7 +24,6 @@ from cluster.config import ClusterConfig, PoolConfig, load_config
 # Fast failure detection: a dead engine loop or replica is replaced within seconds.
 HEALTH_CHECK_PERIOD_S = 2.0
 HEALTH_CHECK_TIMEOUT_S = 10.0
-GRACEFUL_SHUTDOWN_S = 5.0
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
@@ -81,15 +80,17 @@ def _pool(config: ClusterConfig, role: str):
         user_config={"log_level": config.log_level},
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
         health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
-        graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S,
     )
 
 
 def _router(config: ClusterConfig):
     from router.ingress import Router
 
+    # A router relays its workers' streams, and a redeploy replaces it too: it waits as long
+    # as the longest-lived pool lets its streams run.
+    grace = max(config.prefill.graceful_shutdown_s, config.decode.graceful_shutdown_s)
     return Router.options(
         num_replicas=config.router.num_replicas,
         ray_actor_options={"num_cpus": config.router.num_cpus},
-        graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S,
+        graceful_shutdown_timeout_s=grace,
     )

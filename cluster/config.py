@@ -93,6 +93,15 @@ class PoolConfig(_Strict):
     resources: dict[str, float] = Field(default_factory=dict)  # Ray custom resources (placement)
     max_ongoing_requests: int = Field(default=256, ge=1)
     engine: EngineSettings | None = None  # overrides the top-level `engine` for this pool
+    # A replica being removed (scale-down, redeploy) serves its open streams this long, then
+    # Serve kills it and they end with a 503 `replica_failed`; raise it for long outputs.
+    graceful_shutdown_s: float = Field(default=5.0, ge=1.0, le=3600.0)
+
+    @property
+    def stream_drain_s(self) -> float:
+        """How long a removed replica waits for its open worker-stream calls: the grace
+        period less the time to leave the registry and stop the engine."""
+        return max(0.5, self.graceful_shutdown_s - 2.0)
 
     @field_validator("autoscaling_config")
     @classmethod
@@ -128,7 +137,8 @@ class PoolConfig(_Strict):
         if self.torch_threads is not None:
             threads = str(self.torch_threads)
             actor["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}}
-        options: dict[str, Any] = {"ray_actor_options": actor, "max_ongoing_requests": self.max_ongoing_requests}
+        options: dict[str, Any] = {"ray_actor_options": actor, "max_ongoing_requests": self.max_ongoing_requests,
+                                   "graceful_shutdown_timeout_s": self.graceful_shutdown_s}
         if self.autoscaling_config is not None:
             options["autoscaling_config"] = dict(self.autoscaling_config)
         else:

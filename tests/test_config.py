@@ -74,6 +74,16 @@ def test_autoscaling_replaces_replicas():
     assert "num_replicas" not in options and options["autoscaling_config"]["max_replicas"] == 4
 
 
+def test_a_pools_shutdown_grace_reaches_serve_and_bounds_its_stream_drain():
+    cfg = load_config({"decode": {"graceful_shutdown_s": 120}})
+    assert cfg.decode.deployment_options()["graceful_shutdown_timeout_s"] == 120
+    assert cfg.decode.stream_drain_s == 118  # leaves time to deregister and stop the engine
+    assert cfg.prefill.deployment_options()["graceful_shutdown_timeout_s"] == 5.0
+    assert cfg.prefill.stream_drain_s == 3.0
+    with pytest.raises(ConfigError, match="decode.graceful_shutdown_s"):
+        load_config({"decode": {"graceful_shutdown_s": 0.5}})
+
+
 def test_round_trip_through_args():
     cfg = load_config({"workloads": {"rag": {"min_remote_prefill_tokens": 8}}})
     again = load_config(cfg.to_args())

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, ClassVar
 
-from cluster.config import ClusterConfig, load_config
+from cluster.config import ClusterConfig, PoolConfig, load_config
 from workers import invariants
 from workers.async_engine import AsyncEngine, DeadlineExceeded, EngineDeadError
 from workers.faults import FaultState
@@ -26,7 +26,6 @@ from workers.stream_server import StreamServer
 
 log = logging.getLogger("pdcluster.worker")
 HEARTBEAT_INTERVAL_S = 0.5
-STREAM_DRAIN_S = 3.0  # within cluster.app.GRACEFUL_SHUTDOWN_S, after which Serve kills the replica
 
 
 class EngineWorker:
@@ -64,13 +63,16 @@ class EngineWorker:
 
         from workers.engine.llm_engine import LLMEngine
 
-        pool = self.config.prefill if self.role == "prefill" else self.config.decode
+        pool = self._pool_config()
         if pool.torch_threads:
             torch.set_num_threads(pool.torch_threads)
         settings = self.config.engine_for(self.role)  # type: ignore[arg-type]
         model = self.config.model
         return LLMEngine(str(resolve_model_path(self.config)), **settings.model_dump(),
                          device=model.device, dtype=model.dtype)
+
+    def _pool_config(self) -> PoolConfig:
+        return self.config.prefill if self.role == "prefill" else self.config.decode
 
     def start_heartbeat(self, address: str | None = None) -> None:
         """Register with the ControlPlane and keep heartbeating (no-op without one)."""
@@ -194,7 +196,7 @@ class EngineWorker:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.control_plane.deregister.remote(self.replica_id), 1.0)
         if self.stream_server is not None:
-            left = await self.stream_server.drain(STREAM_DRAIN_S)
+            left = await self.stream_server.drain(self._pool_config().stream_drain_s)
             if left:
                 log.warning("shutting down with %d stream calls still open", left)
             self.stream_server.close()
