@@ -375,35 +375,15 @@ def test_bf16_cuda_layers_between_processes_are_bit_identical():
         rx.close()
 
 
-def _prefill_on_cuda(model_dir: str, jobs, results) -> None:
-    from transport.factory import make_sender
-    from workers.engine import LLMEngine
-
-    engine = LLMEngine(model_dir, block_size=16, num_kv_blocks=64, device="cuda", dtype="bfloat16")
-    sender = make_sender(config("shm"))
-    while (job := jobs.get(timeout=120)) is not None:
-        tid, address, prompt, params, start_block = job
-        sink = sender.open(tid, address, engine.layout, start_block=start_block)
-        engine.add_request(tid, prompt, params, kv_sink=sink, seed=0)
-        while engine.has_unfinished_requests():
-            engine.step()
-        try:
-            sink.wait(30)
-            results.put((tid, "ok"))
-        except Exception as exc:  # noqa: BLE001
-            results.put((tid, repr(exc)))
-    sender.close()
-
-
 @needs_cuda
 def test_cuda_decode_engine_continues_token_identically(tiny_model_dir):
-    from tests.test_transport_engine import GREEDY, PROMPT, run_local
+    from tests.test_transport_engine import GREEDY, PROMPT, prefill_worker, run_local
     from transport.factory import make_receiver
     from workers.engine import LLMEngine
 
     ctx = mp.get_context("spawn")
     jobs, results = ctx.Queue(), ctx.Queue()
-    proc = spawn(_prefill_on_cuda, str(tiny_model_dir), jobs, results)
+    proc = spawn(prefill_worker, str(tiny_model_dir), jobs, results, "cuda", "bfloat16")
     local, decode = (LLMEngine(str(tiny_model_dir), block_size=16, num_kv_blocks=64, device="cuda",
                                dtype="bfloat16") for _ in range(2))
     rx = make_receiver(config("shm"), decode)
@@ -414,7 +394,7 @@ def test_cuda_decode_engine_continues_token_identically(tiny_model_dir):
             tid = f"cuda-engine-{n}"
             res = decode.reserve_kv(tid, fresh)
             rx.expect(tid, res, timeout=60)
-            jobs.put((tid, rx.address, fresh, GREEDY, res.num_cached_blocks))
+            jobs.put(("shm", tid, rx.address, fresh, GREEDY, 0, res.num_cached_blocks))
             first = rx.wait(tid)
             assert results.get(timeout=60) == (tid, "ok")
             decode.commit_kv(res, tid, GREEDY, first, seed=0)

@@ -17,12 +17,13 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=8, temperature=0.8, top_k=20, ignore_eos=True)
 
 
-def prefill_worker(model_dir: str, jobs, results) -> None:
+def prefill_worker(model_dir: str, jobs, results, device: str = "cpu", dtype: str | None = None) -> None:
     """Child: for each job, prefill with a sink from the named backend's sender."""
     from transport.factory import make_sender
 
     torch.set_num_threads(1)
-    engine = LLMEngine(model_dir, block_size=16, num_kv_blocks=64, device="cpu")
+    options = {"dtype": dtype} if dtype else {}
+    engine = LLMEngine(model_dir, block_size=16, num_kv_blocks=64, device=device, **options)
     senders = {}
     while (job := jobs.get(timeout=120)) is not None:
         backend, tid, address, prompt, params, seed, start_block = job

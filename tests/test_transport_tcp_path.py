@@ -140,55 +140,48 @@ def test_a_refused_layer_is_drained_and_the_pair_stays_in_step(tcp_receiver):
     tx.close()
 
 
-def test_a_layer_stalled_mid_way_fails_promptly_when_cancelled(tcp_receiver):
-    rx, target = tcp_receiver
-    res = target.reserve("stalled", 8)
-    rx.expect("stalled", res, timeout=30)
+def start_a_layer(rx, target, tid: str, upto: int, timeout: float) -> RawPeer:
+    """A transfer of 4 blocks whose first layer stops after `upto` bytes, from a hand-driven
+    peer the test then leaves silent or kills."""
+    rx.expect(tid, target.reserve(tid, 4), timeout=timeout)
     peer = RawPeer(rx.address)
-    kv = synthetic_layers(LAYOUT, 8, 2)[0]
-    peer.send_layer("stalled", 0, 0, kv, upto=kv.numel() * 2)  # half the layer, then silence
-    wait_until_reading(rx)  # the receiver is now writing it into the blocks
+    peer.send_layer(tid, 0, 0, synthetic_layers(LAYOUT, 4, 2)[0], upto=upto)
+    return peer
+
+
+def assert_fails_within(rx, target, tid: str, error: type, seconds: float) -> None:
     start = time.monotonic()
-    rx.cancel("stalled")
-    with pytest.raises(TransferAborted):
-        rx.wait("stalled", 5)
-    assert time.monotonic() - start < 2
+    with pytest.raises(error):
+        rx.wait(tid, 5)
+    assert time.monotonic() - start < seconds
     assert target.num_free_blocks == 32  # freed once the writer let go, not under it
     target.check_integrity()
+
+
+def test_a_layer_stalled_mid_way_fails_promptly_when_cancelled(tcp_receiver):
+    rx, target = tcp_receiver
+    peer = start_a_layer(rx, target, "stalled", LAYOUT.layer_nbytes(4) // 2, timeout=30)
+    wait_until_reading(rx)  # the receiver is now writing it into the blocks
+    rx.cancel("stalled")
+    assert_fails_within(rx, target, "stalled", TransferAborted, 2)
     peer.close()
     assert_still_serves(rx, target)
 
 
 def test_a_layer_stalled_mid_way_expires_with_its_reservation(tcp_receiver):
     rx, target = tcp_receiver
-    res = target.reserve("expiring", 4)
-    rx.expect("expiring", res, timeout=1.0)
-    peer = RawPeer(rx.address)
-    kv = synthetic_layers(LAYOUT, 4, 3)[0]
-    peer.send_layer("expiring", 0, 0, kv, upto=100)
-    start = time.monotonic()
-    with pytest.raises(TransferTimeout):
-        rx.wait("expiring", 5)
-    assert time.monotonic() - start < 2.5
-    assert target.num_free_blocks == 32
+    peer = start_a_layer(rx, target, "expiring", 100, timeout=1.0)
+    assert_fails_within(rx, target, "expiring", TransferTimeout, 2.5)
     peer.close()
     assert_still_serves(rx, target)
 
 
 def test_a_sender_that_dies_mid_layer_fails_its_transfer_at_once(tcp_receiver):
     rx, target = tcp_receiver
-    res = target.reserve("dies", 4)
-    rx.expect("dies", res, timeout=30)
-    peer = RawPeer(rx.address)
-    kv = synthetic_layers(LAYOUT, 4, 4)[0]
-    peer.send_layer("dies", 0, 0, kv, upto=1000)
+    peer = start_a_layer(rx, target, "dies", 1000, timeout=30)
     wait_until_reading(rx)
-    start = time.monotonic()
     peer.close()  # both connections drop, as when the process is killed
-    with pytest.raises(PeerGone):
-        rx.wait("dies", 5)
-    assert time.monotonic() - start < 2
-    assert target.num_free_blocks == 32
+    assert_fails_within(rx, target, "dies", PeerGone, 2)
     assert_still_serves(rx, target)
 
 
