@@ -18,3 +18,4 @@ def test_bench_transport_prints_json():
     assert {"zmq", "zmq_inline", "nccl", "shm", "raw_tcp", "memcpy"} <= names
     assert all(r["gb_per_s"] > 0 for r in out["results"])
     assert "zmq_vs_raw_tcp_1MiB" in out["ratios"]
+    assert out["ratios_paired"]["zmq_vs_raw_tcp_1MiB"] > 0  # median of per-round ratios

@@ -6,7 +6,8 @@ sends once the data sits in its KV blocks); the methods of one size take turns, 
 transfer each per round, so a shared machine's changing load weighs on all of them alike.
 GB/s = 1e9 bytes/s. Payloads are streamed as 8 layers, like a real prompt. The rows are
 `VARIANTS`: `zmq` as deployed (payload on the `tcp` data path, read straight into the
-blocks), `zmq_inline` (payload in ZMQ frames), `zmq_curve`, `nccl` and `shm`. Baselines: a raw TCP socket carrying the same bytes into a
+blocks), `zmq_inline` (payload in ZMQ frames), `zmq_curve`, `nccl` and `shm`;
+`ratios_paired` gives the median of each round's own ratio beside the ratio of medians. Baselines: a raw TCP socket carrying the same bytes into a
 preallocated buffer (the loopback limit), Ray's object store (`ray.put` in one actor,
 `ray.get` plus one copy into a destination in another, timed inside the actors so the
 actor-call overhead is excluded) across two raylets (`ray_object_store`: the bytes cross
@@ -237,6 +238,7 @@ def run(sizes_mib: list[int], repeats: int, with_ray: bool = True, with_curve: b
                         "median_s": round(median, 6), "repeats": len(times)})
         log(f"  {name:>18} {nbytes // MIB:>4} MiB  {nbytes / median / 1e9:7.3f} GB/s")
 
+    paired: dict[str, float] = {}
     rx = ReceiverProcess(layout, max(sizes_mib) * MIB // block_bytes)
     try:
         for mib in sizes_mib:
@@ -250,8 +252,10 @@ def run(sizes_mib: list[int], repeats: int, with_ray: bool = True, with_curve: b
                 timers["zmq_curve"] = transport_timer(rx, "zmq_curve", layout, layers)
             timers["raw_tcp"] = raw_tcp_timer(rx, nbytes)
             timers["memcpy"] = memcpy_timer(nbytes)
-            for name, times in interleaved(timers, reps).items():
+            rounds = interleaved(timers, reps)
+            for name, times in rounds.items():
                 add(name, nbytes, times)
+            paired.update(_paired_ratios(rounds, mib))
     finally:
         rx.close()
     if with_ray:
@@ -259,7 +263,7 @@ def run(sizes_mib: list[int], repeats: int, with_ray: bool = True, with_curve: b
             log(f"{name} ({'two raylets, over TCP' if cross_node else 'one raylet, shared memory'})")
             for nbytes, times in time_ray([m * MIB for m in sizes_mib], repeats, cross_node).items():
                 add(name, nbytes, times)
-    out = {"results": results, "ratios": _ratios(results, sizes_mib)}
+    out = {"results": results, "ratios": _ratios(results, sizes_mib), "ratios_paired": paired}
     out["export_by_mib"] = {}
     for mib in sizes_mib:
         out["export_by_mib"][str(mib)] = export_cost(layout, mib * MIB // block_bytes, repeats)
@@ -267,6 +271,17 @@ def run(sizes_mib: list[int], repeats: int, with_ray: bool = True, with_curve: b
     out["export"] = out["export_by_mib"][str(64 if 64 in sizes_mib else max(sizes_mib))]
     if with_overlap:
         out["overlap"] = measure_overlap()
+    return out
+
+
+def _paired_ratios(rounds: dict[str, list[float]], mib: int) -> dict[str, float]:
+    """Per size, the median over rounds of each round's own speed ratio (the methods of a
+    round ran back to back, so load that comes and goes between rounds cancels out)."""
+    out = {}
+    for a, b in (("zmq", "raw_tcp"), ("zmq_inline", "raw_tcp"), ("shm", "memcpy")):
+        if rounds.get(a) and rounds.get(b):
+            out[f"{a}_vs_{b}_{mib}MiB"] = round(statistics.median(
+                tb / ta for ta, tb in zip(rounds[a], rounds[b], strict=True)), 3)
     return out
 
 
