@@ -244,3 +244,26 @@ def test_senders_that_went_away_leave_no_connection_or_thread_behind(tcp_receive
     assert tcp.num_connections() == 1 and rx.num_peer_workers == 1  # only the last sender's
     assert_still_serves(rx, target)  # a fifth sender: the fourth is retired in turn
     assert tcp.num_connections() == 1 and rx.num_peer_workers == 1
+
+
+def test_a_new_sender_leaves_live_idle_senders_connected(tcp_receiver):
+    """Retiring gone senders must not touch live ones that are merely quiet: the first
+    sender's next transfer still goes over its first connection."""
+    rx, target = tcp_receiver
+    first, second = make_sender(config("zmq")), make_sender(config("zmq"))
+    try:
+        for i, tx in enumerate((first, second, first)):
+            tid = f"quiet-{i}"
+            res = target.reserve(tid, 2)
+            rx.expect(tid, res)
+            start = time.monotonic()
+            send_all(tx.open(tid, rx.address, LAYOUT), synthetic_layers(LAYOUT, 2, i), i)
+            assert rx.wait(tid, 10) == i
+            assert time.monotonic() - start < 1.0  # the HELLO's look at idle peers is instant
+            target.commit(res)
+        (channel,) = first._channels.values()
+        assert not channel.broken and not channel.path.broken
+        assert tcp_path_of(rx).num_connections() == 2 and rx.num_peer_workers == 2
+    finally:
+        first.close()
+        second.close()

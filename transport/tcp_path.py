@@ -20,6 +20,7 @@ The payload is not encrypted: with `curve` on, receivers do not offer this path.
 
 from __future__ import annotations
 
+import select
 import socket
 import threading
 import time
@@ -244,9 +245,17 @@ class TcpRecvPath(RecvPath):
 
 
 def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the sender's end closed. Polled first: a socket with a timeout waits that
+    long inside `recv` even with MSG_DONTWAIT, and its TimeoutError says nothing of the peer."""
     try:
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except (BlockingIOError, InterruptedError):
+        readable, _, _ = select.select([sock], [], [], 0)
+    except (OSError, ValueError):
+        return True  # closed here already
+    if not readable:
         return False  # open, nothing pending
+    try:
+        return sock.recv(1, socket.MSG_PEEK) == b""  # at EOF, or bytes of a coming layer
+    except TimeoutError:
+        return False  # a reader took the bytes meanwhile
     except OSError:
         return True  # reset
