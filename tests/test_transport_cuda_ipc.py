@@ -4,22 +4,18 @@ This machine has no GPU, so the CPU tests run the protocol (probe, device slots 
 authenticated headers, RELEASE watermark, refusals) over real ZMQ sockets with
 `HostStandIn`, a stand-in for CUDA IPC whose "device memory" is host tensors one process
 can name to itself. Whatever needs real CUDA IPC (two processes, bf16 on the GPU, a decode
-engine continuing after import) is in the tests marked `needs_cuda`, and in
+engine continuing after import) is in `tests/test_transport_cuda_gpu.py` and
 `python -m transport.gpu_check`.
 """
 
 from __future__ import annotations
 
-import json
-import multiprocessing as mp
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.test_transport_backends import KEY, TIMEOUT_S, config, spawn
+from tests.test_transport_backends import KEY, TIMEOUT_S, config
 from transport.base import TransferCorrupt, TransferRejected
 from transport.cuda_ipc import MAX_HANDLE_BYTES, CudaIpcMemory, IpcHandle, IpcMemory, cuda_ipc_for
 from transport.datapath import InlineRecvPath
@@ -36,7 +32,6 @@ from transport.shm_cuda import (
 from transport.wire import HELLO, LAYER, RELEASE, SHM, Header, WireCodec
 from transport.zmq_backend import ZmqReceiver, ZmqSender
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 LAYOUT = make_layout(num_layers=3, num_kv_heads=2, head_dim=16, block_size=16)
 HANDLE = IpcHandle(bytes(range(66)), 2 << 20, 1 << 20, "/torch_4242_17_3", 5)
 
@@ -291,119 +286,4 @@ def test_transfers_through_device_slots_over_real_sockets():
         target.check_integrity()
     finally:
         tx.close()
-        rx.close()
-
-
-# -- the device check script -------------------------------------------------------------------
-
-def test_gpu_check_runs_on_cpu_and_says_no_cuda():
-    if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA: the script runs its real checks (see needs_cuda)")
-    proc = subprocess.run([sys.executable, "-m", "transport.gpu_check"], capture_output=True,
-                          text=True, timeout=120, check=False)
-    assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"cuda": False}
-    assert "no CUDA" in proc.stderr
-    assert "ray" not in subprocess.run(
-        [sys.executable, "-c", "import sys, transport.gpu_check, transport.factory, cluster.make_model;"
-         " print(' '.join(m for m in sys.modules if m.split('.')[0] == 'ray'))"],
-        capture_output=True, text=True, timeout=120, check=True).stdout.split()
-
-
-def test_gpu_check_harness_moves_layers_on_cpu():
-    """The script's two-process exchange, through host slots here (no GPU)."""
-    from transport.gpu_check import check_ipc_transfer
-
-    assert check_ipc_transfer("cpu") == {"ipc_bit_identical": True, "ipc_sender": "ok",
-                                         "ipc_device_mappings": 0}
-
-
-# -- real CUDA IPC (GPU machines only) ---------------------------------------------------------
-
-@needs_cuda
-def test_gpu_check_passes():
-    proc = subprocess.run([sys.executable, "-m", "transport.gpu_check"], capture_output=True,
-                          text=True, timeout=300, check=False)
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert proc.returncode == 0 and result["ok"], (result, proc.stderr[-2000:])
-
-
-def _send_cuda_layers(jobs, results) -> None:
-    """Child: bf16 CUDA layers through the real shm sender, transfers one after another."""
-    from transport.factory import make_sender
-
-    sender = make_sender(config("shm"))
-    layout = make_layout(num_layers=3, num_kv_heads=2, head_dim=64, block_size=16, dtype="bfloat16")
-    try:
-        for tid, address, seed in jobs:
-            sink = sender.open(tid, address, layout)
-            for i, kv in enumerate(synthetic_layers(layout, 4, seed)):
-                sink.on_layer(i, kv.cuda())
-            sink.on_complete(seed)
-            sink.wait(TIMEOUT_S)
-        results.put("ok")
-    except Exception as exc:  # noqa: BLE001 - reported to the test
-        results.put(repr(exc))
-    finally:
-        sender.close()
-
-
-@needs_cuda
-def test_bf16_cuda_layers_between_processes_are_bit_identical():
-    from transport.factory import make_receiver
-
-    layout = make_layout(num_layers=3, num_kv_heads=2, head_dim=64, block_size=16, dtype="bfloat16")
-    target = MemoryTarget(layout, 32)
-    target.layers = [layer.cuda() for layer in target.layers]
-    rx = make_receiver(config("shm"), target)
-    jobs = [(f"cuda-{i}", rx.address, i) for i in range(3)]
-    reservations = [target.reserve(tid, 4) for tid, _, _ in jobs]
-    for res in reservations:
-        rx.expect(res.transfer_id, res)
-    results = mp.get_context("spawn").Queue()
-    proc = spawn(_send_cuda_layers, jobs, results)
-    try:
-        for (tid, _, seed), res in zip(jobs, reservations, strict=True):
-            assert rx.wait(tid, TIMEOUT_S) == seed
-            index = torch.tensor(res.block_ids, device="cuda")
-            for i, kv in enumerate(synthetic_layers(layout, 4, seed)):
-                assert torch.equal(target.layers[i].index_select(1, index).cpu(), kv), (tid, i)
-        assert results.get(timeout=TIMEOUT_S) == "ok"
-        assert rx._paths["shm"]._device._mappings  # noqa: SLF001 - later transfers went GPU to GPU
-    finally:
-        proc.join(timeout=10)
-        rx.close()
-
-
-@needs_cuda
-def test_cuda_decode_engine_continues_token_identically(tiny_model_dir):
-    from tests.test_transport_engine import GREEDY, PROMPT, prefill_worker, run_local
-    from transport.factory import make_receiver
-    from workers.engine import LLMEngine
-
-    ctx = mp.get_context("spawn")
-    jobs, results = ctx.Queue(), ctx.Queue()
-    proc = spawn(prefill_worker, str(tiny_model_dir), jobs, results, "cuda", "bfloat16")
-    local, decode = (LLMEngine(str(tiny_model_dir), block_size=16, num_kv_blocks=64, device="cuda",
-                               dtype="bfloat16") for _ in range(2))
-    rx = make_receiver(config("shm"), decode)
-    try:
-        for n in range(3):  # the first goes through host slots, until the probe's answer
-            fresh = [(t + n) % 250 for t in PROMPT]  # a reference run elsewhere: all of it moves
-            want = run_local(local, fresh, GREEDY, 0)
-            tid = f"cuda-engine-{n}"
-            res = decode.reserve_kv(tid, fresh)
-            rx.expect(tid, res, timeout=60)
-            jobs.put(("shm", tid, rx.address, fresh, GREEDY, 0, res.num_cached_blocks))
-            first = rx.wait(tid)
-            assert results.get(timeout=60) == (tid, "ok")
-            decode.commit_kv(res, tid, GREEDY, first, seed=0)
-            out = []
-            while decode.has_unfinished_requests():
-                out += [o for o in decode.step() if o.finished]
-            assert out[-1].token_ids == want, n
-        assert rx._paths["shm"]._device._mappings  # noqa: SLF001
-    finally:
-        jobs.put(None)
-        proc.join(timeout=30)
         rx.close()
