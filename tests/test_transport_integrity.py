@@ -41,10 +41,12 @@ class _CorruptingShmPath(ShmSendPath):
 class _CorruptingTcpPath(TcpSendPath):
     """Flips a byte on its way into the data connection, after the checksum was made."""
 
-    def after_send(self, header, kv):
-        flipped = kv.clone()
-        flipped.view(-1).view(torch.uint8)[header.nbytes // 2] ^= 0x01
-        super().after_send(header, flipped)
+    def payload(self, header, kv, checksum=None):
+        frames = super().payload(header, kv, checksum)
+        flipped = bytearray(self._outgoing)
+        flipped[header.nbytes // 2] ^= 0x01
+        self._outgoing = memoryview(flipped)
+        return frames
 
 
 @pytest.mark.parametrize("backend, path", [

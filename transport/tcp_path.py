@@ -31,7 +31,7 @@ import torch
 from transport.address import PeerAddress
 from transport.base import PeerGone, TransferAborted, TransferCorrupt
 from transport.datapath import Received, RecvPath, Reply, SendPath
-from transport.tcp_accept import DataAcceptor, new_token, preamble, tune
+from transport.tcp_accept import TOKEN_LEN, DataAcceptor, new_token, preamble, tune
 from transport.wire import HELLO, TCP, Header, payload_checksum
 from workers.engine.kv_cache import tensor_bytes
 from workers.engine.kv_types import StreamedKV
@@ -51,6 +51,7 @@ class TcpSendPath(SendPath):
         self.connect_timeout_s, self.send_timeout_s = connect_timeout_s, send_timeout_s
         self.broken = False
         self._sock: socket.socket | None = None
+        self._outgoing: memoryview | None = None  # the layer `payload` readied for `after_send`
 
     def hello(self) -> Header:
         token = new_token()
@@ -68,16 +69,18 @@ class TcpSendPath(SendPath):
         return Header(HELLO, "", data_path=TCP, extra={"token": token.hex()})
 
     def payload(self, header: Header, kv: torch.Tensor, checksum: int | None = None) -> list:
-        if checksum is None:
-            checksum = payload_checksum(tensor_bytes(kv.detach().cpu().contiguous()))
-        header.checksum = checksum
+        # Host bytes made once (a CUDA layer's one copy to host), hashed if need be, then
+        # written by `after_send` once the header is queued.
+        self._outgoing = tensor_bytes(kv.detach().cpu().contiguous())
+        header.checksum = payload_checksum(self._outgoing) if checksum is None else checksum
         return []
 
     def after_send(self, header: Header, kv: torch.Tensor) -> None:
-        if self._sock is None or self.broken:
+        data, self._outgoing = self._outgoing, None
+        if self._sock is None or self.broken or data is None:
             raise PeerGone("no data connection", "tcp_send", header.transfer_id)
         try:
-            self._sock.sendall(tensor_bytes(kv.detach().cpu().contiguous()))
+            self._sock.sendall(data)
         except OSError as exc:  # the pair's stream is now out of step
             self.broken = True
             raise PeerGone(f"data connection send failed: {type(exc).__name__}: {exc}",
@@ -168,7 +171,7 @@ class TcpRecvPath(RecvPath):
             raw = bytes.fromhex(token) if isinstance(token, str) else b""
         except ValueError:
             raw = b""
-        if len(raw) != 16:
+        if len(raw) != TOKEN_LEN:
             raise TransferCorrupt("bad tcp data-path handshake", "malformed")
         sock = self._acceptor.claim(raw, self.timeout_s)
         if sock is None:
