@@ -7,8 +7,9 @@ transfer each per round, so a shared machine's changing load weighs on all of th
 GB/s = 1e9 bytes/s. Payloads are streamed as 8 layers, like a real prompt. The rows are
 `VARIANTS`: `zmq` as deployed (payload on the `tcp` data path, read straight into the
 blocks), `zmq_inline` (payload in ZMQ frames), `zmq_curve`, `nccl` and `shm`;
-`ratios_paired` gives the median of each round's own ratio beside the ratio of medians. Baselines: a raw TCP socket carrying the same bytes into a
-preallocated buffer (the loopback limit), Ray's object store (`ray.put` in one actor,
+`ratios_paired` gives the median of each round's own ratio beside the ratio of medians.
+Baselines: a raw TCP socket carrying the same bytes into a preallocated buffer (the
+loopback limit), Ray's object store (`ray.put` in one actor,
 `ray.get` plus one copy into a destination in another, timed inside the actors so the
 actor-call overhead is excluded) across two raylets (`ray_object_store`: the bytes cross
 TCP, as zmq's do) and within one (`ray_object_store_same_node`: shared memory, as shm's

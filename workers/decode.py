@@ -52,11 +52,9 @@ class DecodeWorker(EngineWorker):
 
     async def stats(self) -> dict:
         stats = await super().stats()
-        metrics = getattr(self.receiver, "metrics", None)  # every backend's receiver counts
-        if metrics is not None:
-            snap = metrics.snapshot()
-            stats.update({f"kv_rejections_{r}_total": n for r, n in snap["rejections_total"].items()})
-            stats.update({f"kv_received_bytes_{p}_total": n for p, n in snap["bytes_total"].items()})
+        snap = self.receiver.metrics.snapshot()  # every backend's receiver counts
+        stats.update({f"kv_rejections_{r}_total": n for r, n in snap["rejections_total"].items()})
+        stats.update({f"kv_received_bytes_{p}_total": n for p, n in snap["bytes_total"].items()})
         return stats
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
