@@ -24,7 +24,7 @@ def make_model_cmd(
     seed: int = typer.Option(0, help="Weight seed: same seed, same bytes."),
 ) -> None:
     """Write a HuggingFace model folder with random weights and a byte-level tokenizer."""
-    from cluster.make_model import PRESETS, make_model
+    from workers.model_files import PRESETS, make_model
 
     if preset not in PRESETS:
         raise typer.BadParameter(f"choose one of {', '.join(sorted(PRESETS))}", param_hint="--preset")
@@ -33,8 +33,10 @@ def make_model_cmd(
 
 
 # Modules that each define `register(app, bench_app)` for their own commands.
-COMMAND_MODULES: tuple[str, ...] = ("cluster.loadtest.cli", "cluster.bench_engine_cli", "cluster.serve_cli",
-                                     "transport.bench_cli", "cluster.demo", "cluster.bench_router_overhead")
+COMMAND_MODULES: tuple[str, ...] = (
+    "cluster.serve_cli", "cluster.loadtest.cli", "cluster.local.demo", "cluster.bench.engine_cli",
+    "cluster.bench.transport_cli", "cluster.bench.cluster", "cluster.bench.router_overhead_cli",
+)
 
 
 def _register_commands() -> None:

@@ -40,7 +40,7 @@ class ModelConfig(_Strict):
     preset: Literal["tiny", "small"] | None = "tiny"  # made on first use when `path` is unset
     seed: int = 0
     name: str | None = None  # the id clients send as `model`; default: preset or folder name
-    workload: str | None = None  # the model's workload profile (precedence: see router/workloads.py)
+    workload: str | None = None  # the model's workload profile (precedence: see router/profiles.py)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: Literal["cpu", "cuda"] | None = None  # None: cuda when the replica has a GPU
     max_model_len: int | None = Field(default=None, ge=2)  # None: the model's max positions
@@ -59,17 +59,6 @@ class ModelConfig(_Strict):
         if self.path:
             return Path(self.path).name
         return str(self.preset)
-
-    def resolve_path(self) -> Path:
-        """The model folder, making the preset under `cache_dir` on first use."""
-        if self.path:
-            path = Path(self.path)
-            if not (path / "config.json").exists():
-                raise ConfigError(f"config error at model.path: no model folder at {path}")
-            return path
-        from cluster.make_model import ensure_model
-
-        return ensure_model(Path(self.cache_dir) / f"{self.preset}-seed{self.seed}", self.preset, self.seed)
 
 
 class EngineSettings(_Strict):
@@ -173,7 +162,7 @@ class RouterSettings(_Strict):
     heartbeat_timeout_s: float = Field(default=3.0, gt=0)  # replica unhealthy after this silence
     offload_local_to_prefill: bool = True  # a local request may run whole on an idle prefill replica
     # `generate` travels over an authenticated ZeroMQ stream from the router to the chosen
-    # replica (workers/stream_client.py); false: through Serve handles (a few ms more per hop)
+    # replica (workers/stream/client.py); false: through Serve handles (a few ms more per hop)
     worker_stream: bool = True
     prefix_index_blocks: int = Field(default=65536, ge=1)  # remembered block hashes per replica
 
@@ -303,11 +292,6 @@ class ClusterConfig(_Strict):
     def engine_for(self, role: Literal["prefill", "decode"]) -> EngineSettings:
         pool = self.prefill if role == "prefill" else self.decode
         return pool.engine or self.engine
-
-    def resolved(self) -> ClusterConfig:
-        """A copy whose `model.path` names a folder that exists (making the preset if needed)."""
-        path = self.model.resolve_path()
-        return self.model_copy(update={"model": self.model.model_copy(update={"path": str(path)})})
 
     def to_args(self) -> dict[str, Any]:
         """Plain data for Serve `args` / `.bind(...)`: round-trips through `load_config`.

@@ -17,6 +17,7 @@ import typer
 from cluster.config import ClusterConfig, ConfigError, load_config
 from cluster.model_check import check_model_dir
 from cluster.tls import base_url, http_options
+from workers.model_files import resolve_model_path
 
 APP_NAME = "pdcluster"
 log = logging.getLogger("pdcluster.serve")
@@ -34,7 +35,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         try:
             args = serve_args(config, model, host, port)
             cluster_config = load_config(args)
-            check_model_dir(cluster_config.model.resolve_path())  # a bad folder fails here, naming it
+            check_model_dir(resolve_model_path(cluster_config.model))  # a bad folder fails here, naming it
             http_options(cluster_config)  # TLS files exist
         except ConfigError as e:
             typer.echo(str(e), err=True)

@@ -5,7 +5,7 @@ only after it arrives. A call that fails before any chunk (the replica died, Ser
 no replica) is retried once on another replica; after that it is a 503. A worker's
 error chunk becomes the matching OpenAI error.
 
-A call goes over the worker stream (workers/stream_client.py) to the planned replica
+A call goes over the worker stream (workers/stream/client.py) to the planned replica
 when that replica advertised one, else through its deployment's Serve handle; both
 give an async iterator of chunks with `cancel()`.
 """
@@ -26,9 +26,9 @@ from ray.serve.exceptions import (
 )
 
 from router.errors import APIError, unavailable
-from router.planner import ClusterView, RoutePlan
+from router.placement import ClusterView, RoutePlan
 from workers.protocol import GenerateChunk, GenerateRequest
-from workers.stream_client import ReplicaGone, StreamCall, WorkerCallFailed, WorkerStreams
+from workers.stream.client import ReplicaGone, StreamCall, WorkerCallFailed, WorkerStreams
 
 log = logging.getLogger("pdcluster.router")
 RETRYABLE = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError, BackPressureError,

@@ -1,7 +1,7 @@
 """The Router ingress: the whole HTTP API of INTERFACES.md on one FastAPI app.
 
 Per request: parse and validate (400s), tokenise, resolve the workload profile, plan the
-route (`router/planner.py`), call the chosen worker and wait for its first chunk (which
+route (`router/placement.py`), call the chosen worker and wait for its first chunk (which
 carries the route actually taken), then answer with `x-pd-route` / `x-pd-reason` /
 `x-request-id` and either an SSE stream or one JSON body. Profiles and the replica table
 come from the ControlPlane, polled in the background.
@@ -34,14 +34,14 @@ from router.errors import (
 )
 from router.middleware import RequestIdMiddleware, read_json
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest
-from router.planner import ClusterView
+from router.placement import ClusterView
+from router.profiles import Profiles, client_mode, view
 from router.prompting import PromptBuilder
 from router.responses import ResponseShape
 from router.tenants import Tenants
-from router.workloads import Profiles, client_mode, view
-from workers.engine_worker import resolve_model_path  # makes a preset once per node, under a lock
+from workers.model_files import resolve_model_path  # makes a preset once per node, under a lock
 from workers.protocol import GenerateRequest
-from workers.stream_client import worker_streams
+from workers.stream.client import worker_streams
 
 log = logging.getLogger("pdcluster.router")
 METRICS_PUSH_INTERVAL_S = 2.0
@@ -87,7 +87,7 @@ class Router:
         self.streams = worker_streams(self.config, transport_key)
         self.control_plane = control_plane
         self.model = self.config.model.served_name
-        self.prompts = PromptBuilder(resolve_model_path(self.config), self.config.model.max_model_len)
+        self.prompts = PromptBuilder(resolve_model_path(self.config.model), self.config.model.max_model_len)
         engine = self.config.engine_for("decode")
         self.view = ClusterView(engine.block_size, engine.max_num_seqs, self.config.router.prefix_index_blocks)
         self.profiles = Profiles(0, dict(self.config.workloads))

@@ -13,7 +13,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    from cluster.make_model import make_model
+    from workers.model_files import make_model
 
     return make_model(tmp_path_factory.mktemp("models") / "tiny", "tiny", 0)
 

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from cluster.bench_cluster import _ratios, parse_workloads
-from cluster.bench_workloads import WORKLOAD_NAMES, Baseline, bench_workloads
-from cluster.cluster_workloads import INTERFERENCE, request_class
+from cluster.bench.cluster import _ratios, parse_workloads
+from cluster.bench.sizing import WORKLOAD_NAMES, Baseline, bench_workloads
+from cluster.local.traffic import INTERFERENCE, request_class
 
 WORKLOADS = ("short_low_load", "long_high_load", "mixed")
 

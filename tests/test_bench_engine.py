@@ -7,7 +7,7 @@ import json
 
 from typer.testing import CliRunner
 
-from cluster.bench_engine import BenchConfig, make_workload
+from cluster.bench.engine import BenchConfig, make_workload
 from cluster.cli import app
 
 

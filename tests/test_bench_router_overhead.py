@@ -12,9 +12,9 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from cluster.bench_router_overhead import _medians
+from cluster.bench.router_overhead import HttpClientProcess, http_ttft_s
+from cluster.bench.router_overhead_cli import _medians
 from cluster.cli import app
-from cluster.router_overhead import HttpClientProcess, http_ttft_s
 
 
 def test_command_is_registered():
@@ -31,7 +31,7 @@ def test_medians_skip_missing_figures():
 
 
 def test_summary_reports_every_path_against_the_router():
-    from cluster.router_overhead import _summary
+    from cluster.bench.router_overhead import _summary
 
     times = {"router": [0.020, 0.022, 0.030], "direct": [0.015, 0.019, 0.016], "stream": [0.012, 0.013, 0.020]}
     out = _summary(times, 3, 64, 2, None)
@@ -89,7 +89,7 @@ def test_http_client_process_times_real_requests_and_reports_failures():
 
 
 def test_first_token_clock_times_the_first_content_chunk_and_reports_errors():
-    from cluster.router_overhead import FirstToken
+    from cluster.bench.router_overhead import FirstToken
     from workers.protocol import GenerateChunk
 
     clock = FirstToken("stream")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.config import ClusterConfig, ConfigError, load_config
+from workers.model_files import resolve_model_path
 
 
 def test_defaults_are_the_no_config_serve():
@@ -65,7 +66,7 @@ def test_bad_files(tmp_path):
     with pytest.raises(ConfigError, match="mapping"):
         load_config(bad)
     with pytest.raises(ConfigError, match="model.path"):
-        load_config({"model": {"path": str(tmp_path)}}).model.resolve_path()
+        resolve_model_path(load_config({"model": {"path": str(tmp_path)}}).model)
 
 
 def test_autoscaling_replaces_replicas():
@@ -105,6 +106,7 @@ def test_secrets_from_file_or_env(tmp_path, monkeypatch):
 
 
 def test_preset_is_made_once(tmp_path):
-    cfg = load_config({"model": {"cache_dir": str(tmp_path)}}).resolved()
+    model = load_config({"model": {"cache_dir": str(tmp_path)}}).model
+    path = resolve_model_path(model)
     assert (tmp_path / "tiny-seed0" / "config.json").exists()
-    assert cfg.model.path == str(tmp_path / "tiny-seed0")
+    assert path == tmp_path / "tiny-seed0"

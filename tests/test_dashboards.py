@@ -23,8 +23,8 @@ def emitted() -> dict[str, set[str]]:
     from prometheus_client.metrics import MetricWrapperBase
 
     from router.metrics import RouterMetrics
-    from router.ray_metrics import MirroredMetric, ray_series_names
     from workers.metrics import WorkerMetrics
+    from workers.ray_metrics import MirroredMetric, ray_series_names
 
     names: dict[str, set[str]] = {}
     for owner in (RouterMetrics("m"), WorkerMetrics("m", "decode", "r")):
@@ -74,7 +74,7 @@ def test_dashboard_query_names_only_metrics_the_code_emits_via_ray(query):
 
 def test_dashboard_covers_every_interface_metric():
     from router.metrics import METRIC_NAMES
-    from router.ray_metrics import ray_name
+    from workers.ray_metrics import ray_name
 
     used = set().union(*(metric_names_in(q) for q in dashboard_queries()))
     for name in METRIC_NAMES:

@@ -2,7 +2,7 @@ import filecmp
 
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from cluster.make_model import make_model
+from workers.model_files import make_model
 
 
 def test_same_seed_same_bytes(tmp_path):

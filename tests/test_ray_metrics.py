@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.metrics import METRIC_NAMES
-from router.ray_metrics import mirror_into_ray, ray_name
+from workers.ray_metrics import mirror_into_ray, ray_name
 
 APP, PREFIX = "ray-metrics-test", "/raymetrics"
 LABELS = {  # our labels per family, as INTERFACES.md names them

@@ -175,7 +175,7 @@ def test_overdue_heartbeats_are_not_a_dead_pool():
     """On a saturated machine every heartbeat can be late at once: the router still tries
     replicas whose last heartbeat said healthy (503 only when none is left)."""
     from router.control_plane import ReplicaInfo
-    from router.planner import ClusterView
+    from router.placement import ClusterView
     from router.policy import ProfileView
 
     auto = ProfileView(mode="auto", min_remote_prefill_tokens=32, max_prefill_queue=4)

@@ -9,10 +9,10 @@ import pytest
 from router.admin import parse_profile
 from router.control_plane import ReplicaInfo
 from router.errors import APIError
-from router.planner import ClusterView
+from router.placement import ClusterView
 from router.policy import ProfileView
 from router.prefix_index import PrefixIndex
-from router.workloads import view
+from router.profiles import view
 from workers.engine.prefix_hash import block_hashes
 
 # ---- prefix index ------------------------------------------------------------------

@@ -16,8 +16,8 @@ from router.admin import check_admin, parse_profile
 from router.control_plane import ControlPlaneCore
 from router.errors import APIError
 from router.ingress import _parse
-from router.planner import ClusterView
-from router.workloads import Profiles, client_mode
+from router.placement import ClusterView
+from router.profiles import Profiles, client_mode
 
 # ---- request validation ------------------------------------------------------------
 
@@ -278,7 +278,7 @@ def _run_stream(chunks, include_usage=True):
     import asyncio
 
     from router import dispatch, streaming
-    from router.planner import RoutePlan
+    from router.placement import RoutePlan
     from router.policy import RouteDecision
     from router.responses import ResponseShape
 

@@ -1,5 +1,5 @@
 """What a GPU machine proves for the `shm` path's CUDA IPC half: `python -m
-transport.gpu_check` (checked here to run, without Ray, on CPU too), two processes moving
+cluster.bench.gpu_check` (checked here to run, without Ray, on CPU too), two processes moving
 bf16 CUDA layers bit-identically, and a CUDA decode engine continuing token-identically
 after import. The CPU-side protocol tests are in `tests/test_transport_cuda_ipc.py`."""
 
@@ -23,20 +23,20 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_gpu_check_runs_on_cpu_and_says_no_cuda():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the script runs its real checks (see needs_cuda)")
-    proc = subprocess.run([sys.executable, "-m", "transport.gpu_check"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "cluster.bench.gpu_check"], capture_output=True,
                           text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"cuda": False}
     assert "no CUDA" in proc.stderr
     assert "ray" not in subprocess.run(
-        [sys.executable, "-c", "import sys, transport.gpu_check, transport.factory, cluster.make_model;"
+        [sys.executable, "-c", "import sys, cluster.bench.gpu_check, transport.factory, workers.model_files;"
          " print(' '.join(m for m in sys.modules if m.split('.')[0] == 'ray'))"],
         capture_output=True, text=True, timeout=120, check=True).stdout.split()
 
 
 def test_gpu_check_harness_moves_layers_on_cpu():
     """The script's two-process exchange, through host slots here (no GPU)."""
-    from transport.gpu_check import check_ipc_transfer
+    from cluster.bench.gpu_check import check_ipc_transfer
 
     assert check_ipc_transfer("cpu") == {"ipc_bit_identical": True, "ipc_sender": "ok",
                                          "ipc_device_mappings": 0}
@@ -46,7 +46,7 @@ def test_gpu_check_harness_moves_layers_on_cpu():
 
 @needs_cuda
 def test_gpu_check_passes():
-    proc = subprocess.run([sys.executable, "-m", "transport.gpu_check"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "cluster.bench.gpu_check"], capture_output=True,
                           text=True, timeout=300, check=False)
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert proc.returncode == 0 and result["ok"], (result, proc.stderr[-2000:])
@@ -55,7 +55,7 @@ def test_gpu_check_passes():
 @needs_cuda
 def test_bf16_cuda_layers_between_processes_are_bit_identical():
     """gpu_check's exchange: three transfers from a sender process, the later ones GPU to GPU."""
-    from transport.gpu_check import check_ipc_transfer
+    from cluster.bench.gpu_check import check_ipc_transfer
 
     result = check_ipc_transfer("cuda")
     assert result["ipc_bit_identical"] and result["ipc_sender"] == "ok", result

@@ -1,11 +1,11 @@
-"""The `shm` data path's CUDA IPC half (`transport/cuda_ipc.py`, `transport/shm_cuda.py`).
+"""The `shm` data path's CUDA IPC half (`transport/paths/cuda_ipc.py`, `transport/paths/shm_cuda.py`).
 
 This machine has no GPU, so the CPU tests run the protocol (probe, device slots named in
 authenticated headers, RELEASE watermark, refusals) over real ZMQ sockets with
 `HostStandIn`, a stand-in for CUDA IPC whose "device memory" is host tensors one process
 can name to itself. Whatever needs real CUDA IPC (two processes, bf16 on the GPU, a decode
 engine continuing after import) is in `tests/test_transport_cuda_gpu.py` and
-`python -m transport.gpu_check`.
+`python -m cluster.bench.gpu_check`.
 """
 
 from __future__ import annotations
@@ -17,11 +17,17 @@ import torch
 
 from tests.test_transport_backends import KEY, TIMEOUT_S, config
 from transport.base import TransferCorrupt, TransferRejected
-from transport.cuda_ipc import MAX_HANDLE_BYTES, CudaIpcMemory, IpcHandle, IpcMemory, cuda_ipc_for
-from transport.datapath import InlineRecvPath
 from transport.memory_target import MemoryTarget, make_layout, synthetic_layers
-from transport.shm_backend import ShmRecvPath, ShmSendPath
-from transport.shm_cuda import (
+from transport.paths.cuda_ipc import (
+    MAX_HANDLE_BYTES,
+    CudaIpcMemory,
+    IpcHandle,
+    IpcMemory,
+    cuda_ipc_for,
+)
+from transport.paths.inline import InlineRecvPath
+from transport.paths.shm import ShmRecvPath, ShmSendPath
+from transport.paths.shm_cuda import (
     MAX_DEVICE_MAPPINGS,
     PROBE,
     SEQ,
@@ -29,8 +35,9 @@ from transport.shm_cuda import (
     DeviceSlotPool,
     ShmDeviceReceiver,
 )
+from transport.receiver import ZmqReceiver
+from transport.sender import ZmqSender
 from transport.wire import HELLO, LAYER, RELEASE, SHM, Header, WireCodec
-from transport.zmq_backend import ZmqReceiver, ZmqSender
 
 LAYOUT = make_layout(num_layers=3, num_kv_heads=2, head_dim=16, block_size=16)
 HANDLE = IpcHandle(bytes(range(66)), 2 << 20, 1 << 20, "/torch_4242_17_3", 5)

@@ -65,9 +65,9 @@ def export_and_send(backend: str, address: str, work: list[list[tuple[str, list[
     the pool must not have), to show the receiver's checks catch it."""
     torch.set_num_threads(1)
     import transport.channel as channel
-    import transport.datapath as datapath
+    import transport.paths.inline as inline_path
 
-    datapath.INLINE_FRAME_BYTES = 1 << 20  # several frames per layer
+    inline_path.INLINE_FRAME_BYTES = 1 << 20  # several frames per layer
     if premature_release:
         send_layer = channel.PeerChannel._send_layer
         channel.PeerChannel._send_layer = lambda *a, **k: (send_layer(*a, **k), lambda: True)[1]

@@ -199,7 +199,7 @@ class RawPeer:
 
 
 def layer_header(tid: str, seq: int, layer: int, kv: torch.Tensor, **kw) -> tuple[Header, bytes]:
-    from transport.datapath import tensor_bytes
+    from transport.paths.base import tensor_bytes
 
     data = bytes(tensor_bytes(kv))
     fields = dict(layer_start=layer, layer_end=layer + 1, dtype=LAYOUT.dtype,

@@ -12,13 +12,13 @@ import torch
 from tests.test_transport_backends import KEY, LAYOUT, config
 from tests.test_transport_faults import SHORT_S, assert_still_serves, send_all
 from transport.base import TransferAborted, TransferCorrupt, TransferRejected
-from transport.datapath import InlineSendPath
 from transport.factory import make_receiver, make_sender
 from transport.memory_target import MemoryTarget, synthetic_layers
-from transport.shm_backend import ShmSendPath
-from transport.tcp_path import TcpSendPath
+from transport.paths.inline import InlineSendPath
+from transport.paths.shm import ShmSendPath
+from transport.paths.tcp import TcpSendPath
+from transport.sender import ZmqSender
 from transport.wire import payload_checksum
-from transport.zmq_backend import ZmqSender
 
 
 class _CorruptingPath(InlineSendPath):
@@ -158,9 +158,9 @@ def test_a_layer_sent_as_many_frames_arrives_bit_identical(monkeypatch, frame_by
     """Layers are cut into frames (here far smaller than the 8 MiB default, at sizes that
     split elements, blocks and K from V); they land exactly, and a flipped byte in one
     frame is still caught."""
-    import transport.datapath as datapath
+    import transport.paths.inline as inline_path
 
-    monkeypatch.setattr(datapath, "INLINE_FRAME_BYTES", frame_bytes)
+    monkeypatch.setattr(inline_path, "INLINE_FRAME_BYTES", frame_bytes)
     target = MemoryTarget(LAYOUT, 32)
     rx = make_receiver(config("zmq", reservation_ttl_s=SHORT_S), target)
     tx = make_sender(config("zmq"))

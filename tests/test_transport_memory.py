@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from transport.datapath import copy_and_checksum, copy_bytes, tensor_bytes
+from transport.paths.base import copy_and_checksum, copy_bytes, tensor_bytes
 from transport.warm_memory import keep_freed_memory_warm
 from transport.wire import payload_checksum
 
@@ -46,7 +46,7 @@ def test_sweep_removes_only_dead_senders_slots(tmp_path):
     import subprocess
     import sys
 
-    from transport.shm_backend import sweep_dead_slots
+    from transport.paths.shm import sweep_dead_slots
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)

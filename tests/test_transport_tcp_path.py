@@ -20,7 +20,7 @@ from transport.address import PeerAddress
 from transport.base import PeerGone, TransferAborted, TransferCorrupt, TransferTimeout
 from transport.factory import make_receiver, make_sender
 from transport.memory_target import MemoryTarget, synthetic_layers
-from transport.tcp_accept import PREAMBLE_LEN, new_token, preamble
+from transport.paths.tcp_accept import PREAMBLE_LEN, new_token, preamble
 from transport.wire import DONE, HELLO, LAYER, TCP, Header, WireCodec, payload_checksum
 from workers.engine.kv_cache import tensor_bytes
 

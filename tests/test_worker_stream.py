@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 
 from workers.engine.sampling_params import SamplingParams
 from workers.protocol import REASONS, GenerateChunk, GenerateRequest
-from workers.stream_client import ReplicaGone, WorkerCallFailed, WorkerStreams
-from workers.stream_server import StreamServer
-from workers.stream_wire import (
+from workers.stream.client import ReplicaGone, WorkerCallFailed, WorkerStreams
+from workers.stream.server import StreamServer
+from workers.stream.wire import (
     OPEN,
     ReplayGuard,
     StreamAuthError,

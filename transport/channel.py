@@ -36,9 +36,9 @@ from transport.base import (
     TransferTimeout,
     error_from_wire,
 )
-from transport.datapath import SendPath
 from transport.export_pool import NO_LEASE, ExportLease, ExportPool, SinkLender
 from transport.metrics import TransportMetrics
+from transport.paths.base import SendPath
 from transport.wire import ABORT, ACK, DONE, LAYER, NACK, RELEASE, Header, WireCodec
 from workers.engine.kv_types import KVLayout
 

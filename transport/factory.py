@@ -22,15 +22,17 @@ import torch
 from transport.address import PeerAddress, default_node_id, reachable_host
 from transport.base import KVReceiver, KVSender, KVTarget
 from transport.config import TransportConfig
-from transport.cuda_ipc import cuda_ipc_for
-from transport.datapath import InlineRecvPath, InlineSendPath, RecvPath, SendPath
-from transport.local_backend import LocalReceiver, LocalSender
+from transport.local import LocalReceiver, LocalSender
 from transport.metrics import TransportMetrics
-from transport.nccl_backend import PgRecvPath, PgSendPath
-from transport.shm_backend import ShmRecvPath, ShmSendPath, shm_available
-from transport.tcp_path import TcpRecvPath, TcpSendPath
+from transport.paths.base import RecvPath, SendPath
+from transport.paths.cuda_ipc import cuda_ipc_for
+from transport.paths.inline import InlineRecvPath, InlineSendPath
+from transport.paths.pg import PgRecvPath, PgSendPath
+from transport.paths.shm import ShmRecvPath, ShmSendPath, shm_available
+from transport.paths.tcp import TcpRecvPath, TcpSendPath
+from transport.receiver import ZmqReceiver
+from transport.sender import ZmqSender
 from transport.wire import PG, SHM, TCP
-from transport.zmq_backend import ZmqReceiver, ZmqSender
 
 _RECV_PATHS = {"zmq": (TCP,), "shm": (SHM, TCP), "nccl": (PG,), "auto": (SHM, PG, TCP)}
 

@@ -1,7 +1,7 @@
 """Serve autoscaling for worker pools whose requests arrive over the worker stream.
 
 Serve's default policy scales on the requests it saw pass through its handles. Calls on
-the worker stream (workers/stream_server.py) bypass the handles, so each replica reports
+the worker stream (workers/stream/server.py) bypass the handles, so each replica reports
 its open stream calls (`record_autoscaling_stats`, key `STREAM_CALLS`) and this policy
 adds them to Serve's own count before applying Serve's default policy unchanged (its
 target per replica, delays, smoothing and bounds). cluster/app.py sets it on a pool

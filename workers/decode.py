@@ -23,7 +23,7 @@ from workers.engine.output_processor import OutputProcessor
 from workers.engine_worker import EngineWorker
 from workers.kv_transport import make_receiver
 from workers.protocol import GenerateChunk, GenerateRequest, PrefillRequest
-from workers.stream_client import worker_streams
+from workers.stream.client import worker_streams
 
 log = logging.getLogger("pdcluster.decode")
 

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import logging
 import os
 import time
 import uuid
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any, ClassVar
 
 from cluster.config import ClusterConfig, PoolConfig, load_config
@@ -21,8 +19,9 @@ from workers import invariants
 from workers.async_engine import AsyncEngine, DeadlineExceeded, EngineDeadError
 from workers.faults import FaultState
 from workers.metrics import WorkerMetrics
+from workers.model_files import resolve_model_path
 from workers.protocol import GenerateChunk, GenerateRequest
-from workers.stream_server import StreamServer
+from workers.stream.server import StreamServer
 
 log = logging.getLogger("pdcluster.worker")
 HEARTBEAT_INTERVAL_S = 0.5
@@ -46,7 +45,7 @@ class EngineWorker:
         self.stream_server = self._start_stream_server(transport_key)
 
     def _start_stream_server(self, transport_key: str | None) -> StreamServer | None:
-        """`generate` for routers over ZeroMQ (workers/stream_server.py), unless configured off."""
+        """`generate` for routers over ZeroMQ (workers/stream/server.py), unless configured off."""
         if not self.config.router.worker_stream:
             return None
         from workers.kv_transport import stream_codec, stream_host
@@ -68,7 +67,7 @@ class EngineWorker:
             torch.set_num_threads(pool.torch_threads)
         settings = self.config.engine_for(self.role)  # type: ignore[arg-type]
         model = self.config.model
-        return LLMEngine(str(resolve_model_path(self.config)), **settings.model_dump(),
+        return LLMEngine(str(resolve_model_path(self.config.model)), **settings.model_dump(),
                          device=model.device, dtype=model.dtype)
 
     def _pool_config(self) -> PoolConfig:
@@ -219,18 +218,6 @@ def error_chunk(exc: BaseException, route: str | None, reason: str | None,
         body = {"message": message, "type": "invalid_request_error", "param": None, "code": code}
     return GenerateChunk(finished=True, finish_reason="error", error=body, route=route,
                          reason=reason, num_prompt_tokens=num_prompt_tokens)
-
-
-def resolve_model_path(config: ClusterConfig) -> Path:
-    """The model folder; a preset is made once per machine under a file lock, since
-    several replicas on one node start at the same time."""
-    if config.model.path:
-        return config.model.resolve_path()
-    cache = Path(config.model.cache_dir)
-    cache.mkdir(parents=True, exist_ok=True)
-    with open(cache / ".make-model.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        return config.model.resolve_path()
 
 
 def _replica_identity() -> tuple[str, str]:

@@ -110,7 +110,7 @@ def _corrupt_channel_path(sink) -> None:
 
 
 class _CorruptingPath:
-    """Wraps a `transport.datapath.SendPath`; corrupts the first layer of a marked sink."""
+    """Wraps a `transport.paths.base.SendPath`; corrupts the first layer of a marked sink."""
 
     def __init__(self, inner) -> None:
         self._inner = inner

@@ -26,13 +26,13 @@ def make_receiver(config: ClusterConfig, target, key: str | None):
     try:
         from transport.factory import make_receiver as build
     except ImportError:  # before the factory existed: the zmq backend
-        from transport.zmq_backend import ZmqReceiver as build
+        from transport.receiver import ZmqReceiver as build
     return build(transport_config(config, key), target)
 
 
 def stream_codec(config: ClusterConfig, key: str | None):
-    """The worker stream's codec (workers/stream_wire.py), keyed like the KV transport."""
-    from workers.stream_wire import StreamCodec
+    """The worker stream's codec (workers/stream/wire.py), keyed like the KV transport."""
+    from workers.stream.wire import StreamCodec
 
     return StreamCodec(transport_config(config, key).resolve_key())
 
@@ -48,7 +48,7 @@ def make_sender(config: ClusterConfig, key: str | None):
     try:
         from transport.factory import make_sender as build
     except ImportError:
-        from transport.zmq_backend import ZmqSender as build
+        from transport.receiver import ZmqSender as build
     return build(transport_config(config, key))
 
 

@@ -13,10 +13,10 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from cluster.loadtest.api import environment, open_session, run_plan
 from cluster.loadtest.config import LoadTestConfig
 from cluster.loadtest.metrics import Summary, summarize
 from cluster.loadtest.runner import build_plan
+from cluster.loadtest.session import environment, open_session, run_plan
 
 BISECT_STEPS = 2
 OVERLOAD_FACTOR = 1.25  # one point past saturation, so the knee shows on the plots

@@ -18,7 +18,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         overlap: bool = typer.Option(True, help="Measure the small-preset overlap tail."),
     ) -> None:
         """KV transfer GB/s for zmq, nccl (Gloo on CPU), shm vs raw TCP, Ray, memcpy."""
-        from transport.bench import run
+        from cluster.bench.transport import run
 
         sizes_mib = [int(s) for s in sizes.split(",") if s.strip()]
         if not sizes_mib or min(sizes_mib) < 1:

@@ -24,9 +24,7 @@ from pathlib import Path
 import torch
 
 from transport.base import TransferCorrupt, TransferRejected
-from transport.cuda_ipc import IpcMemory
-from transport.datapath import (
-    InlineSendPath,
+from transport.paths.base import (
     Received,
     RecvPath,
     Reply,
@@ -36,7 +34,9 @@ from transport.datapath import (
     tensor_bytes,
     tensor_from_bytes,
 )
-from transport.shm_cuda import TAKES_IPC, ShmDeviceReceiver, ShmDeviceSender, is_device_header
+from transport.paths.cuda_ipc import IpcMemory
+from transport.paths.inline import InlineSendPath
+from transport.paths.shm_cuda import TAKES_IPC, ShmDeviceReceiver, ShmDeviceSender, is_device_header
 from transport.wire import RELEASE, SHM, Header
 
 SHM_DIR = Path("/dev/shm")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from cluster.bench_engine import DEFAULT_MODEL_CACHE, BenchConfig
+from cluster.bench.engine import DEFAULT_MODEL_CACHE, BenchConfig
 
 
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
@@ -30,7 +30,7 @@ def bench_engine_cmd(
     import torch
     from rich.console import Console
 
-    from cluster.bench_engine import run_benchmark
+    from cluster.bench.engine import run_benchmark
 
     torch.set_num_threads(threads)
     cfg = BenchConfig(preset=preset, num_requests=num_requests, seed=seed,

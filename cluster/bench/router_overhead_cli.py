@@ -1,7 +1,7 @@
 """`pdcluster bench router-overhead`: only the router-overhead step of `bench cluster`.
 
 Deploys the `pd` app of `bench cluster` (1 prefill + 1 decode replica, policy `auto`) on
-a local Ray and runs `cluster.router_overhead.measure` `--repeats` times: HTTP through
+a local Ray and runs `cluster.bench.router_overhead.measure` `--repeats` times: HTTP through
 the Serve proxy and the Router ingress vs a Serve handle straight to the decode replica.
 With `--echo` it also measures the floor any HTTP ingress pays here: a trivial streaming
 Serve deployment (`Echo` below) over HTTP vs through a handle.
@@ -36,7 +36,7 @@ def bench_router_overhead_cmd(
     import ray.serve  # noqa: F401 - this process reads Serve's settings now, before the env changes
     from rich.console import Console
 
-    from cluster.bench_cluster import stdout_to_stderr
+    from cluster.bench.cluster import stdout_to_stderr
 
     console = Console(stderr=True, log_path=False)
     # Ray's processes inherit this environment when Ray starts; this one keeps what it read.
@@ -50,9 +50,9 @@ def bench_router_overhead_cmd(
 
 def run(samples: int, repeats: int, preset: str, model_cache: str | None, echo: bool, log,
         direct_ingress: bool = False) -> dict:
-    from cluster.cluster_apps import app_args, ensure_preset, expected_pools
-    from cluster.local_cluster import LocalCluster
-    from cluster.router_overhead import measure
+    from cluster.bench.router_overhead import measure
+    from cluster.local.apps import app_args, ensure_preset, expected_pools
+    from cluster.local.ray_cluster import LocalCluster
 
     with LocalCluster(log=log) as cluster:
         ensure_preset(preset, model_cache, log)

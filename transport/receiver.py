@@ -1,9 +1,9 @@
-"""The ZMQ control plane, and the `zmq` backend (payload inline in ZMQ frames).
+"""The receiving half of the ZMQ control plane, shared by every network backend.
 
 The receiver binds one ROUTER socket; one thread reads it, checks each header's MAC,
 and hands the message to the shared `TransferTable`. Data paths that block (a per-pair
 process group) run on one worker thread per peer, so a slow or dead peer never stalls
-the others. The sender keeps one `PeerChannel` per (receiver, data path).
+the others.
 """
 
 from __future__ import annotations
@@ -17,23 +17,21 @@ import zmq
 
 from transport.address import PeerAddress, default_node_id, reachable_host
 from transport.base import (
-    KVSender,
     KVTarget,
-    SenderSink,
     TransferAborted,
     TransferCorrupt,
     TransferError,
     TransferRejected,
 )
-from transport.channel import PeerChannel, Waker
+from transport.channel import Waker
 from transport.config import TransportConfig
-from transport.datapath import InlineRecvPath, InlineSendPath, RecvPath, SendPath
-from transport.export_pool import ExportPool
 from transport.metrics import TransportMetrics
+from transport.paths.base import RecvPath
+from transport.paths.inline import InlineRecvPath
 from transport.transfers import TableReceiver, TransferTable
 from transport.warm_memory import keep_freed_memory_warm
 from transport.wire import ABORT, ACK, DONE, HELLO, LAYER, NACK, Header, WireCodec
-from workers.engine.kv_types import KVLayout, KVReservation
+from workers.engine.kv_types import KVReservation
 
 log = logging.getLogger(__name__)
 
@@ -287,49 +285,3 @@ class _PeerWorker(threading.Thread):
     def run(self) -> None:
         while (item := self._inbox.get()) is not None:
             self._receiver.handle(self._peer, *item)
-
-
-class ZmqSender(KVSender):
-    """Opens sinks over per-peer channels; `choose_path` picks the data path per peer."""
-
-    backend = "zmq"
-
-    def __init__(self, config: TransportConfig,
-                 choose_path: Callable[[PeerAddress], SendPath] | None = None,
-                 metrics: TransportMetrics | None = None) -> None:
-        self.config = config
-        self.metrics = metrics or TransportMetrics()
-        self.codec = WireCodec(config.resolve_key(), config.wire_limits)
-        self._choose_path = choose_path or (lambda addr: InlineSendPath())
-        # Host buffers the engine exports layers into, reused once a send is done with one.
-        self.export_pool = ExportPool()
-        self._ctx = zmq.Context(io_threads=1)
-        self._channels: dict[tuple[str, str], PeerChannel] = {}
-        self._lock = threading.Lock()
-
-    def open(self, transfer_id: str, peer_address: str, layout: KVLayout,
-             start_block: int = 0, timeout: float | None = None) -> SenderSink:
-        address = PeerAddress.parse(peer_address)
-        channel = self._channel(address)
-        return channel.open_sink(transfer_id, layout, start_block,
-                                 timeout or self.config.transfer_timeout_s)
-
-    def _channel(self, address: PeerAddress) -> PeerChannel:
-        path = self._choose_path(address)
-        key = (address.endpoint, path.name)
-        with self._lock:
-            channel = self._channels.get(key)
-            if channel is None or channel.broken:
-                channel = PeerChannel(self._ctx, address, path, self.codec, self.metrics,
-                                      self.config.connect_timeout_s, self.export_pool)
-                self._channels[key] = channel
-            else:
-                path.close()
-            return channel
-
-    def close(self) -> None:
-        with self._lock:
-            channels, self._channels = list(self._channels.values()), {}
-        for channel in channels:
-            channel.stop()
-        self._ctx.term()

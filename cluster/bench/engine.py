@@ -175,7 +175,7 @@ def mismatches(reference: list[list[int]], other: list[list[int]]) -> list[dict]
 
 
 def run_benchmark(cfg: BenchConfig, log: Log = lambda _: None) -> dict:
-    from cluster.make_model import ensure_model
+    from workers.model_files import ensure_model
 
     model_dir = ensure_model(cfg.model_cache / f"{cfg.preset}-0", cfg.preset, 0)
     workload = make_workload(cfg)

@@ -1,7 +1,7 @@
 """The worker stream's messages: msgpack maps sealed with HMAC-SHA256.
 
-The router calls a worker replica's `generate` over ZeroMQ (workers/stream_client.py ->
-workers/stream_server.py) instead of a Serve handle, because every handle hop costs a few
+The router calls a worker replica's `generate` over ZeroMQ (workers/stream/client.py ->
+workers/stream/server.py) instead of a Serve handle, because every handle hop costs a few
 milliseconds on the TTFT path and again on every token. A message is the frames
 `[body, mac]`, `mac` = HMAC-SHA256 over a domain tag and `body`, keyed with the cluster's
 transport key (`PDC_TRANSPORT_KEY`); the tag keeps a stream message from ever verifying

@@ -24,7 +24,7 @@ import torch
 from torch.distributed import PrefixStore, TCPStore
 
 from transport.base import PeerGone, TransferCorrupt
-from transport.datapath import Received, RecvPath, Reply, SendPath, tensor_bytes
+from transport.paths.base import Received, RecvPath, Reply, SendPath, tensor_bytes
 from transport.wire import HELLO, PG, Header, payload_checksum
 
 _TAG = 0  # one ordered stream per pair: headers on ZMQ and sends here line up one to one

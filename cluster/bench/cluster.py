@@ -8,7 +8,7 @@ engine replicas and the same engine settings:
 - `pd` (`/pd`): 1 prefill + 1 decode replica; `x-pd-mode: disagg` prefills every request
   remotely, `x-pd-mode: auto` lets the router decide per request.
 
-Three workloads (`cluster.bench_workloads`: rates and SLOs sized to this machine) run in
+Three workloads (`cluster.bench.sizing`: rates and SLOs sized to this machine) run in
 every configuration, repeated, interleaved (configuration order rotated each repeat),
 each run with fresh prompt bytes; results are medians over repeats. Then the router's
 own TTFT cost is measured against calling the decode deployment through a Serve handle.
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import typer
 
-from cluster.bench_workloads import WORKLOAD_NAMES
+from cluster.bench.sizing import WORKLOAD_NAMES
 
 CONFIGS = ("colocated", "disagg", "auto")
 # config -> (app, x-pd-mode)
@@ -53,6 +53,10 @@ class BenchOptions:
     workloads: tuple[str, ...] | None = None  # a subset of the workload names; None: all
     direct_ingress: bool = True  # Serve's direct ingress on (the proxy still runs)
     out: Path = Path("runs/bench-cluster")
+
+
+def register(app: typer.Typer, bench_app: typer.Typer) -> None:
+    bench_app.command("cluster")(bench_cluster_cmd)
 
 
 def bench_cluster_cmd(
@@ -125,11 +129,11 @@ def parse_workloads(text: str | None) -> tuple[str, ...] | None:
 def run_bench(opts: BenchOptions, log) -> dict:
     import ray.serve  # noqa: F401 - this process reads Serve's settings before serve_env changes them
 
-    from cluster.bench_workloads import bench_workloads, measure_baseline
-    from cluster.cluster_apps import app_args, ensure_preset, expected_pools
-    from cluster.local_cluster import LocalCluster
-    from cluster.router_overhead import measure
-    from cluster.workload_runs import warm_up
+    from cluster.bench.router_overhead import measure
+    from cluster.bench.sizing import bench_workloads, measure_baseline
+    from cluster.local.apps import app_args, ensure_preset, expected_pools
+    from cluster.local.ray_cluster import LocalCluster
+    from cluster.local.runs import warm_up
 
     started, load_start = time.perf_counter(), os.getloadavg()
     serve_env = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"} if opts.direct_ingress else {}
@@ -188,8 +192,8 @@ def _sized(workload, opts: BenchOptions):
 
 def _run_all(opts: BenchOptions, workloads: dict, urls: dict, log) -> dict[str, dict[str, list[dict]]]:
     """Every (repeat, workload, configuration), configurations rotated each repeat."""
-    from cluster.cpu_probe import CpuProbe
-    from cluster.workload_runs import run_workload
+    from cluster.bench.cpu_probe import CpuProbe
+    from cluster.local.runs import run_workload
 
     probe = CpuProbe.for_serve()
     runs: dict[str, dict[str, list[dict]]] = {name: {c: [] for c in CONFIGS} for name in workloads}
@@ -271,8 +275,8 @@ def _met(value: float | None, op: str, target: float) -> bool | None:
 
 
 def _setup(opts: BenchOptions, workloads: dict, baseline) -> dict:
-    from cluster.bench_workloads import describe
-    from cluster.cluster_apps import MAX_NUM_BATCHED_TOKENS
+    from cluster.bench.sizing import describe
+    from cluster.local.apps import MAX_NUM_BATCHED_TOKENS
 
     return {
         "preset": opts.preset, "repeats": opts.repeats, "torch_threads_per_replica": 1,

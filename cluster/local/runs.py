@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.cluster_workloads import ClusterWorkload, request_class
 from cluster.loadtest.metrics import Summary, latency_block
+from cluster.local.traffic import ClusterWorkload, request_class
 
 
 @dataclass

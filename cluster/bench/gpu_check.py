@@ -1,4 +1,4 @@
-"""One short run on a GPU machine that proves what CPU tests cannot: `python -m transport.gpu_check`.
+"""One short run on a GPU machine that proves what CPU tests cannot: `python -m cluster.bench.gpu_check`.
 
 1. The engine generates in bf16 on CUDA (a tiny random model made in a temp dir).
 2. Two processes move bf16 CUDA layers through the real `shm` sender and receiver, and
@@ -115,7 +115,7 @@ def run() -> dict:
     if not torch.cuda.is_available():
         print("no CUDA here: nothing to check (run this on the GPU machine)", file=sys.stderr)
         return {"cuda": False}
-    from cluster.make_model import make_model
+    from workers.model_files import make_model
 
     start = time.monotonic()
     result: dict = {"cuda": True, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -129,7 +129,7 @@ def run() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argparse.ArgumentParser(prog="python -m transport.gpu_check", description=__doc__.split("\n\n")[0]).parse_args(argv)
+    argparse.ArgumentParser(prog="python -m cluster.bench.gpu_check", description=__doc__.split("\n\n")[0]).parse_args(argv)
     result = run()
     print(json.dumps(result), flush=True)
     return 0 if result.get("ok", True) else 1

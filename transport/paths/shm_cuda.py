@@ -44,8 +44,8 @@ from dataclasses import dataclass
 import torch
 
 from transport.base import TransferCorrupt, TransferRejected
-from transport.cuda_ipc import IpcHandle, IpcMemory
-from transport.datapath import Received, Reply
+from transport.paths.base import Received, Reply
+from transport.paths.cuda_ipc import IpcHandle, IpcMemory
 from transport.wire import HELLO, RELEASE, SHM, Header
 
 log = logging.getLogger(__name__)

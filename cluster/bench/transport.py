@@ -34,12 +34,12 @@ from collections.abc import Iterator
 
 import torch
 
-from transport.bench_export import export_cost, exported_layers
-from transport.bench_ray import time_ray
+from cluster.bench.transport_export import export_cost, exported_layers
+from cluster.bench.transport_ray import time_ray
 from transport.config import TransportConfig
-from transport.datapath import copy_bytes
 from transport.memory_target import MemoryTarget
-from transport.tcp_accept import tune
+from transport.paths.base import copy_bytes
+from transport.paths.tcp_accept import tune
 from workers.engine.kv_types import KVLayout
 
 MIB = 1 << 20
@@ -327,9 +327,9 @@ def _measure_overlap(prompt_len: int, backend: str, preset: str) -> dict:
     import tempfile
     from pathlib import Path
 
-    from cluster.make_model import make_model
     from transport.factory import make_sender
     from workers.engine import LLMEngine, SamplingParams
+    from workers.model_files import make_model
 
     log(f"overlap: {preset} preset, {prompt_len}-token prompt over {backend}")
     model_dir = make_model(Path(tempfile.mkdtemp(prefix="pdc-bench-")) / preset, preset, 0)

@@ -30,7 +30,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from workers.protocol import GenerateRequest, PrefillRequest
-from workers.stream_wire import (
+from workers.stream.wire import (
     CANCEL,
     CHUNK,
     DRAINING,

@@ -53,7 +53,7 @@ class ClusterView:
         self.index.retain(self.replicas)
 
     def stream_address(self, replica_id: str | None) -> str | None:
-        """The replica's advertised worker stream (workers/stream_client.py), if any."""
+        """The replica's advertised worker stream (workers/stream/client.py), if any."""
         replica = self.replicas.get(replica_id) if replica_id else None
         return replica.extra.get("stream_address") if replica is not None else None
 

@@ -87,12 +87,12 @@ def handle_ttft_s(handle, prompt: list[int], max_tokens: int) -> float:
 
 
 class HttpClientProcess:
-    """`http_ttft_s` in a child Python of its own (`python -m cluster.router_overhead URL`),
+    """`http_ttft_s` in a child Python of its own (`python -m cluster.bench.router_overhead URL`),
     one request per `ttft_s` call over JSON lines on its stdin/stdout. A plain subprocess,
     not multiprocessing: spawn would leave its resource tracker running after the bench."""
 
     def __init__(self, url: str) -> None:
-        self._proc = subprocess.Popen([sys.executable, "-m", "cluster.router_overhead", url],
+        self._proc = subprocess.Popen([sys.executable, "-m", "cluster.bench.router_overhead", url],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                       cwd=str(Path(__file__).resolve().parents[1]))
 
@@ -195,7 +195,7 @@ class DirectStream:
         import asyncio
         import threading
 
-        from workers.stream_client import WorkerStreams
+        from workers.stream.client import WorkerStreams
 
         self.address = address
         self.loop = asyncio.new_event_loop()
@@ -210,7 +210,7 @@ class DirectStream:
         if not address or not key:
             yield None
             return
-        from workers.stream_wire import StreamCodec
+        from workers.stream.wire import StreamCodec
 
         direct = cls(address, StreamCodec(key))
         try:

@@ -2,7 +2,7 @@
 Ray, the interference workload in modes `local`, `disagg` and `auto`, then the
 side-by-side table and PNGs of `pdcluster compare`, then a clean stop.
 
-The workload (`cluster.cluster_workloads.INTERFERENCE`): short-prompt streams arrive as a
+The workload (`cluster.local.traffic.INTERFERENCE`): short-prompt streams arrive as a
 Poisson process and decode while a long prompt arrives every few seconds. `local` makes
 each replica prefill its own long prompts beside its streams (they stall); `disagg` sends
 every prompt, short ones too, through the prefill replica; `auto` sends only the long
@@ -24,10 +24,7 @@ TABLE_ROWS = ("completed", "failed", "ttft p50 (ms)", "ttft p99 (ms)", "itl p50 
 
 
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
-    from cluster.bench_cluster import bench_cluster_cmd
-
     app.command("demo")(demo_cmd)
-    bench_app.command("cluster")(bench_cluster_cmd)
 
 
 def demo_cmd(
@@ -51,17 +48,17 @@ def demo_cmd(
 
 
 def demo_workload(quick: bool):
-    from cluster.cluster_workloads import INTERFERENCE
+    from cluster.local.traffic import INTERFERENCE
 
     return INTERFERENCE.scaled(request_factor=0.35, prompt_factor=0.5, rate_factor=2.0) if quick else INTERFERENCE
 
 
 def run_demo(out: Path, preset: str, model_cache: str | None, quick: bool, console) -> dict:
     """Deploy, run the three modes, compare; always stops Serve and Ray."""
-    from cluster.cluster_apps import app_args, ensure_preset, expected_pools
     from cluster.loadtest.compare import compare
-    from cluster.local_cluster import LocalCluster
-    from cluster.workload_runs import run_workload, warm_up
+    from cluster.local.apps import app_args, ensure_preset, expected_pools
+    from cluster.local.ray_cluster import LocalCluster
+    from cluster.local.runs import run_workload, warm_up
 
     workload = demo_workload(quick)
     for line in workload.describe():

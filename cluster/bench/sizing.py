@@ -28,8 +28,8 @@ from dataclasses import asdict, dataclass
 
 import httpx
 
-from cluster.cluster_workloads import ClusterWorkload, RequestClass
 from cluster.loadtest.config import SLO
+from cluster.local.traffic import ClusterWorkload, RequestClass
 
 SLO_SCALE = 5.0  # an SLO is this many times the unloaded single-request latency
 SHORT_PROMPT = (64, 128)

@@ -3,8 +3,8 @@
 A Serve handle call costs a few milliseconds each way on this path (Ray's actor call,
 Serve's request routing, the replica's task queue), once for the first token and again
 for every chunk after it. Here a router's OPEN starts a call on this replica's event
-loop and each chunk goes back as one message (workers/stream_wire.py). The router picks
-the replica itself (router/planner.py), so Serve's routing has nothing to add.
+loop and each chunk goes back as one message (workers/stream/wire.py). The router picks
+the replica itself (router/placement.py), so Serve's routing has nothing to add.
 
 Lifetimes: a CANCEL, a router that stops pinging for `session_timeout_s`, or a send that
 finds the router gone cancels the call, which closes the worker's generator and so
@@ -26,7 +26,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from workers.stream_wire import (
+from workers.stream.wire import (
     CANCEL,
     CHUNK,
     DRAINING,

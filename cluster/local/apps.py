@@ -50,8 +50,9 @@ def expected_pools(num_prefill: int, num_decode: int) -> dict[str, int]:
 def ensure_preset(preset: str, cache_dir: str | None, log=print) -> str:
     """Make the preset model once (first use), before replicas race to make it."""
     from cluster.config import ModelConfig
+    from workers.model_files import resolve_model_path
 
     model = ModelConfig(preset=preset, **({"cache_dir": cache_dir} if cache_dir else {}))
-    path = model.resolve_path()
+    path = resolve_model_path(model)
     log(f"model: {preset} preset at {path}")
     return str(path)

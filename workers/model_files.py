@@ -1,4 +1,5 @@
-"""`pdcluster make-model`: a HuggingFace model folder with random weights.
+"""Model folders: the embedded presets (`pdcluster make-model`), and the folder a config
+names, found or made once per machine.
 
 Nothing can be downloaded at run time, so tests, demos and benchmarks run on a
 Llama-architecture model whose weights come from a seed. It is written with
@@ -11,10 +12,17 @@ special tokens, so any text round-trips and prompt lengths in tokens are exact.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from cluster.config import ConfigError
+
+if TYPE_CHECKING:
+    from cluster.config import ModelConfig
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -147,3 +155,19 @@ def ensure_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Pa
     if marker.exists() and json.loads(marker.read_text()) == {"preset": preset, "seed": seed}:
         return out
     return make_model(out, preset, seed)
+
+
+def resolve_model_path(model: ModelConfig) -> Path:
+    """The folder `model` names: `model.path`, checked, or its preset made under
+    `model.cache_dir` on first use. A preset is made once per machine under a file lock,
+    since several replicas on one node start at the same time."""
+    if model.path:
+        path = Path(model.path)
+        if not (path / "config.json").exists():
+            raise ConfigError(f"config error at model.path: no model folder at {path}")
+        return path
+    cache = Path(model.cache_dir)
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / ".make-model.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return ensure_model(cache / f"{model.preset}-seed{model.seed}", model.preset, model.seed)

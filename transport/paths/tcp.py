@@ -30,8 +30,8 @@ import torch
 
 from transport.address import PeerAddress
 from transport.base import PeerGone, TransferAborted, TransferCorrupt
-from transport.datapath import Received, RecvPath, Reply, SendPath
-from transport.tcp_accept import TOKEN_LEN, DataAcceptor, new_token, preamble, tune
+from transport.paths.base import Received, RecvPath, Reply, SendPath
+from transport.paths.tcp_accept import TOKEN_LEN, DataAcceptor, new_token, preamble, tune
 from transport.wire import HELLO, TCP, Header, payload_checksum
 from workers.engine.kv_cache import tensor_bytes
 from workers.engine.kv_types import StreamedKV
