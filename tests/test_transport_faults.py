@@ -11,7 +11,7 @@ import pytest
 import torch
 import zmq
 
-from tests.test_transport_backends import LAYOUT, config, send_transfers, spawn
+from tests.test_transport_backends import KEY, LAYOUT, config, send_transfers, spawn
 from transport.address import PeerAddress
 from transport.base import (
     PeerGone,
@@ -21,7 +21,7 @@ from transport.base import (
 )
 from transport.factory import make_receiver, make_sender
 from transport.memory_target import MemoryTarget, make_layout, synthetic_layers
-from transport.wire import DONE, LAYER, Header, WireCodec, payload_checksum
+from transport.wire import DOMAIN, DONE, LAYER, Header, WireCodec, payload_checksum
 
 SHORT_S = 2.0
 
@@ -34,7 +34,7 @@ def send_all(sink, layers, first_token: int = 1) -> None:
 
 def assert_still_serves(rx, target, tx=None) -> None:
     """A fresh transfer after the fault completes and the pool is whole again."""
-    tx = tx or make_sender(config("zmq"))
+    tx = tx or make_sender(config("zmq"), KEY)
     res = target.reserve("after-fault", 2)
     rx.expect("after-fault", res)
     send_all(tx.open("after-fault", rx.address, LAYOUT), synthetic_layers(LAYOUT, 2, 3), 77)
@@ -48,7 +48,7 @@ def assert_still_serves(rx, target, tx=None) -> None:
 @pytest.fixture
 def receiver():
     target = MemoryTarget(LAYOUT, 32)
-    rx = make_receiver(config("zmq", reservation_ttl_s=SHORT_S), target)
+    rx = make_receiver(config("zmq", reservation_ttl_s=SHORT_S), target, KEY)
     yield rx, target
     rx.close()
 
@@ -56,7 +56,7 @@ def receiver():
 @pytest.mark.parametrize("backend", ["zmq", "zmq-inline", "nccl"])
 def test_sender_dies_mid_transfer(backend):
     target = MemoryTarget(LAYOUT, 32)
-    rx = make_receiver(config(backend, reservation_ttl_s=SHORT_S + 4), target)
+    rx = make_receiver(config(backend, reservation_ttl_s=SHORT_S + 4), target, KEY)
     try:
         res = target.reserve("dies", 4)
         rx.expect("dies", res)
@@ -76,7 +76,7 @@ def test_sender_dies_mid_transfer(backend):
 
 def _serve_then_die(address_q, key_ok) -> None:
     target = MemoryTarget(LAYOUT, 32)
-    rx = make_receiver(config("zmq"), target)
+    rx = make_receiver(config("zmq"), target, KEY)
     rx.expect("orphan", target.reserve("orphan", 4))
     address_q.put(rx.address)
     time.sleep(60)  # killed by the test
@@ -87,7 +87,7 @@ def test_receiver_gone_mid_transfer():
     address_q = ctx.Queue()
     proc = spawn(_serve_then_die, address_q, True)
     address = address_q.get(timeout=60)
-    tx = make_sender(config("zmq", transfer_timeout_s=10))
+    tx = make_sender(config("zmq", transfer_timeout_s=10), KEY)
     try:
         sink = tx.open("orphan", address, LAYOUT)
         layers = synthetic_layers(LAYOUT, 4, 0)
@@ -108,7 +108,7 @@ def test_receiver_gone_mid_transfer():
 
 def test_timeout_on_both_sides(receiver):
     rx, target = receiver
-    tx = make_sender(config("zmq", transfer_timeout_s=SHORT_S))
+    tx = make_sender(config("zmq", transfer_timeout_s=SHORT_S), KEY)
     res = target.reserve("slow", 2)
     rx.expect("slow", res, timeout=SHORT_S)
     sink = tx.open("slow", rx.address, LAYOUT)
@@ -125,8 +125,7 @@ def test_bad_key_is_rejected_and_counted(receiver):
     rx, target = receiver
     res = target.reserve("auth", 2)
     rx.expect("auth", res)
-    intruder = make_sender(config("zmq", key="another-key-0123456789abcdef",
-                                  transfer_timeout_s=SHORT_S))
+    intruder = make_sender(config("zmq", transfer_timeout_s=SHORT_S), b"another-key-0123456789abcdef")
     sink = intruder.open("auth", rx.address, LAYOUT)
     send_all(sink, synthetic_layers(LAYOUT, 2, 0))
     # Its data connection is refused (PeerGone); it cannot authenticate our replies either.
@@ -151,7 +150,7 @@ def test_wrong_fingerprint_is_rejected(receiver):
     other = type(other)("another-model", *[getattr(other, f) for f in
                                            ("num_layers", "num_kv_heads", "head_dim",
                                             "block_size", "dtype")])
-    tx = make_sender(config("zmq"))
+    tx = make_sender(config("zmq"), KEY)
     sink = tx.open("fp", rx.address, other)
     send_all(sink, synthetic_layers(other, 2, 0))
     with pytest.raises(TransferRejected, match="fingerprint"):
@@ -164,7 +163,7 @@ def test_wrong_fingerprint_is_rejected(receiver):
 
 def test_unknown_id_is_rejected(receiver):
     rx, target = receiver
-    tx = make_sender(config("zmq"))
+    tx = make_sender(config("zmq"), KEY)
     sink = tx.open("never-expected", rx.address, LAYOUT)
     send_all(sink, synthetic_layers(LAYOUT, 2, 0))
     with pytest.raises(TransferRejected, match="unknown"):
@@ -261,7 +260,7 @@ def test_protocol_version_bounds_and_garbage_are_rejected(receiver):
         import hashlib
         import hmac
 
-        peer.send_raw(blob, hmac.new(b"test-transport-key-0123456789abcdef", blob,
+        peer.send_raw(blob, hmac.new(b"test-transport-key-0123456789abcdef", DOMAIN + blob,
                                      hashlib.sha256).digest())
         peer.send_raw(b"only one frame")
         time.sleep(0.5)
@@ -276,7 +275,7 @@ def test_protocol_version_bounds_and_garbage_are_rejected(receiver):
 
 def test_oversize_frame_drops_the_peer_not_the_receiver():
     target = MemoryTarget(LAYOUT, 32)
-    rx = make_receiver(config("zmq", max_layer_bytes=1 << 16), target)
+    rx = make_receiver(config("zmq", max_layer_bytes=1 << 16), target, KEY)
     peer = RawPeer(rx.address)
     try:
         peer.send_raw(b"h", b"m", bytes(4 << 20))  # beyond MAXMSGSIZE: libzmq disconnects
@@ -290,4 +289,4 @@ def test_oversize_frame_drops_the_peer_not_the_receiver():
 def test_key_never_appears_in_reprs():
     cfg = config("zmq")
     assert "test-transport-key" not in repr(cfg) and "test-transport-key" not in str(cfg)
-    assert "test-transport-key" not in repr(WireCodec(cfg.resolve_key()))
+    assert "test-transport-key" not in repr(WireCodec(KEY))

@@ -1,24 +1,22 @@
-"""The wire format: one authenticated msgpack header per message, then raw payload frames.
+"""The KV transport's wire format: one sealed msgpack header per message, then raw payload frames.
 
-A message is the frames `[header, mac, *payload]`. `mac` is HMAC-SHA256 over the header
-bytes with the shared key (`PDC_TRANSPORT_KEY`); the header carries an xxh3-64 checksum
-of the payload, so the payload is protected by the MAC without hashing every byte with
-SHA-256. The MAC is checked before the header is parsed, and the parser has hard size
-limits; nothing on the wire is ever unpickled.
+A message is the frames `[header, mac, *payload]`: the header is sealed with the shared key
+(`PDC_TRANSPORT_KEY`) under this channel's own domain tag (transport/sealed.py), so no
+other message sealed with that key verifies as a header. The header carries an xxh3-64
+checksum of the payload, so the payload is protected by the MAC without hashing every byte
+with SHA-256. The MAC is checked before the header is parsed, the parser has hard size
+limits, and nothing on the wire is ever unpickled.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 from dataclasses import dataclass, field, fields
 
-import msgpack
-
 from transport.base import TransferAuthError, TransferCorrupt, TransferRejected, new_payload_digest
+from transport.sealed import BadMac, Malformed, SealedCodec, TooLarge, UnpackLimits
 
-PROTOCOL_VERSION = 1
-MAC_LEN = 32
+PROTOCOL_VERSION = 2  # 2: the MAC covers DOMAIN + header
+DOMAIN = b"pdc-kv-header\0"
 
 # Message kinds. Sender -> receiver: HELLO (data-path handshake), LAYER, DONE, ABORT.
 # Receiver -> sender: ACK (transfer complete), NACK (failed, with reason), RELEASE (a
@@ -85,47 +83,35 @@ class WireCodec:
     """Seals headers with the shared key and opens them with size limits."""
 
     def __init__(self, key: bytes, limits: WireLimits | None = None) -> None:
-        if len(key) < 16:
-            raise ValueError("transport key must be at least 16 bytes")
-        self._key = key
         self.limits = limits or WireLimits()
+        lim = self.limits
+        self._sealed = SealedCodec(key, DOMAIN, UnpackLimits(
+            max_bytes=lim.max_header_bytes, max_str_len=lim.max_str_len,
+            max_array_len=lim.max_array_len, max_map_len=lim.max_map_len))
 
     def __repr__(self) -> str:  # never show the key
         return f"WireCodec(limits={self.limits})"
 
     def seal(self, header: Header) -> list[bytes]:
         # Not dataclasses.asdict: its recursive deep copy cost ~40 us of a ~60 us send.
-        blob = msgpack.packb({name: getattr(header, name) for name in _FIELD_TYPES},
-                             use_bin_type=True)
-        return [blob, hmac.new(self._key, blob, hashlib.sha256).digest()]
+        return self._sealed.seal({name: getattr(header, name) for name in _FIELD_TYPES})
 
     def open(self, blob: bytes, mac: bytes) -> Header:
         """Verify, then parse. Raises TransferAuthError, TransferRejected or TransferCorrupt."""
-        if len(blob) > self.limits.max_header_bytes:
-            raise TransferRejected(f"header of {len(blob)} bytes exceeds the limit", "bounds")
-        expected = hmac.new(self._key, blob, hashlib.sha256).digest()
-        if len(mac) != MAC_LEN or not hmac.compare_digest(expected, mac):
-            raise TransferAuthError("header MAC does not verify", "bad_mac")
-        raw = self._unpack(blob)
+        try:
+            raw = self._sealed.open(blob, mac)
+        except TooLarge as exc:
+            raise TransferRejected(f"header: {exc}", "bounds") from None
+        except BadMac:
+            raise TransferAuthError("header MAC does not verify", "bad_mac") from None
+        except Malformed as exc:
+            raise TransferCorrupt(f"header: {exc}", "malformed") from None
         transfer_id = raw.get("transfer_id") if isinstance(raw.get("transfer_id"), str) else ""
         if raw.get("version") != PROTOCOL_VERSION:
             raise TransferRejected(
                 f"protocol version {raw.get('version')!r}, expected {PROTOCOL_VERSION}",
                 "version", transfer_id)
         return _to_header(raw, transfer_id)
-
-    def _unpack(self, blob: bytes) -> dict:
-        lim = self.limits
-        try:
-            raw = msgpack.unpackb(
-                blob, raw=False, strict_map_key=True, max_str_len=lim.max_str_len,
-                max_bin_len=0, max_array_len=lim.max_array_len, max_map_len=lim.max_map_len,
-                max_ext_len=0)
-        except Exception as exc:  # noqa: BLE001 - any parse failure is a corrupt header
-            raise TransferCorrupt(f"undecodable header: {type(exc).__name__}", "malformed") from None
-        if not isinstance(raw, dict):
-            raise TransferCorrupt("header is not a map", "malformed")
-        return raw
 
 
 def _to_header(raw: dict, transfer_id: str) -> Header:

@@ -3,10 +3,10 @@
 The router calls a worker replica's `generate` over ZeroMQ (workers/stream/client.py ->
 workers/stream/server.py) instead of a Serve handle, because every handle hop costs a few
 milliseconds on the TTFT path and again on every token. A message is the frames
-`[body, mac]`, `mac` = HMAC-SHA256 over a domain tag and `body`, keyed with the cluster's
-transport key (`PDC_TRANSPORT_KEY`); the tag keeps a stream message from ever verifying
-as a KV-transport header. The MAC is checked before anything is parsed, the parser has
-hard size limits, and nothing on the wire is unpickled.
+`[body, mac]`, sealed (transport/sealed.py) with the cluster's transport key
+(`PDC_TRANSPORT_KEY`) under the stream's own domain tag, which keeps a stream message from
+ever verifying as a KV-transport header and the other way round. The MAC is checked before
+anything is parsed, the parser has hard size limits, and nothing on the wire is unpickled.
 
 Replays: every message from a router carries its session (random per router process),
 a sequence number that only grows and its send time; a worker refuses a message stamped
@@ -18,17 +18,13 @@ call id (random 63-bit) and the chunk's index within the call, which the router 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import hmac
 import time
 from typing import Any
 
-import msgpack
-
+from transport.sealed import BadMac, SealedCodec, SealError, UnpackLimits
 from workers.engine.sampling_params import SamplingParams
 from workers.protocol import REASONS, GenerateChunk, GenerateRequest, PrefillRequest, PrefillResult
 
-MAC_LEN = 32
 DOMAIN = b"pdc-worker-stream-v1\0"
 CLOCK_WINDOW_S = 60.0  # tolerated clock skew between a router and a worker, and replay horizon
 
@@ -57,41 +53,31 @@ class StreamLimits:
 
 class StreamCodec:
     def __init__(self, key: str | bytes, limits: StreamLimits | None = None) -> None:
-        key = key.encode() if isinstance(key, str) else key
-        if len(key) < 16:
-            raise ValueError("the transport key must be at least 16 bytes")
-        self._key = key
         self.limits = limits or StreamLimits()
+        lim = self.limits
+        self._sealed = SealedCodec(key.encode() if isinstance(key, str) else key, DOMAIN, UnpackLimits(
+            max_bytes=lim.max_body_bytes, max_str_len=lim.max_str_len,
+            max_array_len=lim.max_array_len, max_map_len=lim.max_map_len))
 
     def __repr__(self) -> str:  # never show the key
         return f"StreamCodec(limits={self.limits})"
 
     def seal(self, message: dict[str, Any]) -> list[bytes]:
-        body = msgpack.packb(message, use_bin_type=True)
-        return [body, self._mac(body)]
+        return self._sealed.seal(message)
 
     def open(self, frames: list[bytes]) -> dict[str, Any]:
         """Verify, then parse. Raises StreamAuthError or StreamRejected."""
         if len(frames) != 2:
             raise StreamRejected(f"expected 2 frames, got {len(frames)}")
-        body, mac = frames
-        if len(body) > self.limits.max_body_bytes:
-            raise StreamRejected(f"message of {len(body)} bytes exceeds the limit")
-        if len(mac) != MAC_LEN or not hmac.compare_digest(self._mac(body), mac):
-            raise StreamAuthError("message MAC does not verify")
-        lim = self.limits
         try:
-            msg = msgpack.unpackb(body, raw=False, strict_map_key=True, max_bin_len=0, max_ext_len=0,
-                                  max_str_len=lim.max_str_len, max_array_len=lim.max_array_len,
-                                  max_map_len=lim.max_map_len)
-        except Exception as exc:  # noqa: BLE001 - any parse failure is a malformed message
-            raise StreamRejected(f"undecodable message: {type(exc).__name__}") from None
-        if not isinstance(msg, dict) or msg.get("t") not in KINDS:
+            msg = self._sealed.open(*frames)
+        except BadMac:
+            raise StreamAuthError("message MAC does not verify") from None
+        except SealError as exc:
+            raise StreamRejected(f"message: {exc}") from None
+        if msg.get("t") not in KINDS:
             raise StreamRejected("not a stream message")
         return msg
-
-    def _mac(self, body: bytes) -> bytes:
-        return hmac.new(self._key, DOMAIN + body, hashlib.sha256).digest()
 
 
 class ReplayGuard:
@@ -163,7 +149,7 @@ def chunk_from_wire(raw: Any) -> GenerateChunk:
 
 def prefill_result_from_wire(raw: Any) -> PrefillResult:
     result = _reply(raw, PrefillResult)
-    if not all(type(getattr(result, n)) is int for n in ("first_token_id", "num_cached_tokens", "num_bytes")):
+    if not all(type(getattr(result, n)) is int for n in ("num_cached_tokens", "num_bytes")):
         raise StreamRejected("prefill result has the wrong types")
     return result
 
