@@ -1,4 +1,4 @@
-"""The fault-injection suite (issue 6) on the real app over real HTTP: auth, quotas and
+"""The fault-injection suite on the real app over real HTTP: auth, quotas and
 429s, limits, client disconnects, deadlines, corrupt and stalled KV transfers, a soak,
 secrets absent from every log, and decode / prefill replicas killed under load.
 

@@ -32,7 +32,7 @@ def bench_router_overhead_cmd(
     direct_ingress: bool = typer.Option(False, "--direct-ingress", help="Serve's direct ingress: the client "
                                         "talks to the router replica itself, not through the HTTP proxy."),
 ) -> None:
-    """The router's TTFT overhead over calling the decode replica directly (issue #5, ≤ 5 ms)."""
+    """The router's TTFT overhead over calling the decode replica directly (target: p50 ≤ 5 ms)."""
     import ray.serve  # noqa: F401 - this process reads Serve's settings now, before the env changes
     from rich.console import Console
 
