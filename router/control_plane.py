@@ -15,37 +15,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ray import serve
 
 from cluster.config import WorkloadProfile
 from router import metrics
+from router.cluster_view import ReplicaInfo
 
 FORGET_AFTER_S = 60.0  # a silent replica is dropped from the registry after this
-
-
-@dataclass
-class ReplicaInfo:
-    replica_id: str  # Serve's replica unique id (what `target_replica` names)
-    role: str  # "prefill" | "decode"
-    node_id: str = ""
-    address: str | None = None  # the replica's advertised KV transport address
-    healthy: bool = True
-    last_heartbeat: float = 0.0
-    # num_running, num_waiting, num_inflight, kv_blocks_free, kv_blocks_total, max_num_seqs, ...
-    stats: dict[str, Any] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)  # what the worker added at register
-
-    @property
-    def load(self) -> int:
-        s = self.stats
-        return int(s.get("num_running", 0)) + int(s.get("num_waiting", 0))
-
-    @property
-    def queue_len(self) -> int:
-        return int(self.stats.get("num_waiting", 0))
 
 
 @dataclass

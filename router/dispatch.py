@@ -1,21 +1,28 @@
-"""One request's call to a worker: start it, wait for the first chunk, stream the rest.
+"""One request's call to a worker: place it, start it, wait for the first chunk, stream
+the rest.
 
-The first `GenerateChunk` carries the route actually taken, so the HTTP headers are sent
-only after it arrives. A call that fails before any chunk (the replica died, Serve has
-no replica) is retried once on another replica; after that it is a 503. A worker's
-error chunk becomes the matching OpenAI error.
+The ingress hands over a `RequestDraft` (the parsed request, its profile, timeouts);
+`start` places it (router/placement.py), writes the `GenerateRequest` for the replica
+chosen, and calls that replica. The first `GenerateChunk` carries the route actually
+taken, so the HTTP headers are sent only after it arrives. A call that fails before any
+chunk (the replica died, Serve has no replica) is placed again and retried once on
+another replica; after that it is a 503. A worker's error chunk becomes the matching
+OpenAI error.
 
-A call goes over the worker stream (workers/stream/client.py) to the planned replica
-when that replica advertised one, else through its deployment's Serve handle; both
-give an async iterator of chunks with `cancel()`.
+A call goes over the worker stream (workers/stream/client.py) to the placed replica
+when that replica advertised one, else through its deployment's Serve handle; both are
+a `WorkerCall`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import (
@@ -25,8 +32,11 @@ from ray.serve.exceptions import (
     ReplicaUnavailableError,
 )
 
+from cluster.config import WorkloadProfile
+from router.cluster_view import ClusterView
 from router.errors import APIError, unavailable
-from router.placement import ClusterView, RoutePlan
+from router.placement import Placement, place
+from workers.engine.sampling_params import SamplingParams
 from workers.protocol import GenerateChunk, GenerateRequest
 from workers.stream.client import ReplicaGone, StreamCall, WorkerCallFailed, WorkerStreams
 
@@ -36,25 +46,75 @@ RETRYABLE = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError,
 WORKER_FAILURES = (*RETRYABLE, WorkerCallFailed)  # after the first chunk: a 503, never a 500
 
 
+@runtime_checkable
+class WorkerCall(Protocol):
+    """A worker's `generate` stream as the router reads it, whichever way it travels: a
+    `StreamCall` (workers/stream/client.py) or Serve's `DeploymentResponseGenerator`
+    satisfy it as they are."""
+
+    def __aiter__(self) -> AsyncIterator[GenerateChunk]: ...
+
+    async def __anext__(self) -> GenerateChunk:
+        """The next chunk; `StopAsyncIteration` after the last one."""
+        ...
+
+    def cancel(self) -> None:
+        """Abort the call on the replica (the engine drops the request)."""
+        ...
+
+
+@dataclass(frozen=True)
+class RequestDraft:
+    """One parsed request, everything but where it runs: what `start` needs to place it
+    and to write the `GenerateRequest` for the replica it lands on."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int  # pinned here so the output does not depend on the route or a retry
+    workload: str
+    profile: WorkloadProfile
+    forced_mode: str | None  # a client `x-pd-mode` the profile allows
+    offload_to_prefill: bool  # an idle prefill replica may run a local request whole
+    prefill_timeout_s: float  # the worker's remote prefill + transfer, then local fallback
+    first_chunk_timeout_s: float  # no first chunk by then: a 503
+
+    def generate_request(self, placement: Placement, prefill_address: str | None) -> GenerateRequest:
+        """What the placed replica's `generate` gets; the deadline runs from now."""
+        decision, deadline_s = placement.decision, self.profile.deadline_s
+        params = dataclasses.replace(self.params, yield_to_decode=True) if decision.yield_prefill else self.params
+        return GenerateRequest(
+            request_id=self.request_id, prompt_token_ids=self.prompt_ids, seed=self.seed, params=params,
+            route=decision.route, reason=decision.reason, workload=self.workload,
+            deadline=time.time() + deadline_s if deadline_s else None, prefill_timeout_s=self.prefill_timeout_s,
+            target_replica=placement.target_replica, prefill_replica=placement.prefill_replica,
+            prefill_address=prefill_address)
+
+
 @dataclass
 class Callers:
     handles: dict  # deployment ("decode" | "prefill") -> Serve handle
     streams: WorkerStreams | None = None
 
-    def call(self, plan: RoutePlan, request: GenerateRequest, view: ClusterView):
-        """The planned replica's stream when it has one, else its deployment's handle;
+    def prefill_address(self, placement: Placement, view: ClusterView) -> str | None:
+        """The prefill replica's worker stream, for the decode worker to call it by;
+        None when this router does not use worker streams."""
+        return view.stream_address(placement.prefill_replica) if self.streams is not None else None
+
+    def call(self, placement: Placement, request: GenerateRequest, view: ClusterView) -> WorkerCall | None:
+        """The placed replica's stream when it has one, else its deployment's handle;
         None when neither exists."""
-        address = view.stream_address(plan.target_replica)
+        address = view.stream_address(placement.target_replica)
         if self.streams is not None and address:
             return self.streams.call(address, request)
-        handle = self.handles.get(plan.deployment)
+        handle = self.handles.get(placement.deployment)
         return None if handle is None else handle.options(stream=True).generate.remote(request)
 
 
 @dataclass
 class Call:
-    plan: RoutePlan
-    stream: object  # DeploymentResponseGenerator
+    placement: Placement
+    stream: WorkerCall
     first: GenerateChunk
     view: ClusterView
     done: bool = False
@@ -67,30 +127,30 @@ class Call:
 
     @property
     def route(self) -> str:
-        return self.first.route or self.plan.decision.route
+        return self.first.route or self.placement.decision.route
 
     @property
     def reason(self) -> str:
-        return self.first.reason or self.plan.decision.reason
+        return self.first.reason or self.placement.decision.reason
 
     async def rest(self) -> AsyncIterator[GenerateChunk]:
         """The chunks after the first; always releases the call, cancels it if abandoned."""
         try:
-            async for chunk in self.stream:  # type: ignore[attr-defined]
+            async for chunk in self.stream:
                 yield chunk
             self.done = True
         finally:
             self.close()
 
     def close(self) -> None:
-        """Idempotent: cancel the worker call if it did not finish, release the plan."""
+        """Idempotent: cancel the worker call if it did not finish, end the placement."""
         if self.closed:
             return
         self.closed = True
         if not self.done:
             self.done = True
-            self.stream.cancel()  # type: ignore[attr-defined]  # aborts the engine request
-        self.view.end(self.plan)
+            self.stream.cancel()  # aborts the engine request
+        self.view.end(self.placement)
 
 
 def error_status(error: dict) -> int:
@@ -100,43 +160,44 @@ def error_status(error: dict) -> int:
     return 503
 
 
-async def start(callers: Callers, view: ClusterView, plan_fn, make_request, timeout_s: float) -> Call:
-    """Plan, call, and wait for the first chunk; one retry on another replica."""
+async def start(callers: Callers, view: ClusterView, draft: RequestDraft) -> Call:
+    """Place, call, and wait for the first chunk; one retry on another replica."""
     last_error: Exception | None = None
     for _attempt in range(2):
-        plan: RoutePlan = plan_fn()
-        request: GenerateRequest = make_request(plan)
-        view.begin(plan)
-        stream = callers.call(plan, request, view)
+        placement = place(view, draft.prompt_ids, draft.params.max_tokens, draft.profile, draft.forced_mode,
+                          draft.offload_to_prefill)
+        request = draft.generate_request(placement, callers.prefill_address(placement, view))
+        view.begin(placement)
+        stream = callers.call(placement, request, view)
         if stream is None:
-            view.end(plan)
+            view.end(placement)
             raise unavailable()
         try:
-            first = await asyncio.wait_for(stream.__anext__(), timeout_s)
+            first = await asyncio.wait_for(stream.__anext__(), draft.first_chunk_timeout_s)
         except (StopAsyncIteration, asyncio.TimeoutError) as e:
             stream.cancel()
-            view.end(plan)
+            view.end(placement)
             raise unavailable(f"The replica did not answer ({type(e).__name__})") from None
         except RETRYABLE as e:
             stream.cancel()
-            view.end(plan)
+            view.end(placement)
             log.warning("request %s: %s failed before its first chunk: %r", request.request_id,
-                        plan.target_replica, e)
-            if plan.target_replica:
-                view.excluded.add(plan.target_replica)
+                        placement.target_replica, e)
+            if placement.target_replica:
+                view.excluded.add(placement.target_replica)
             last_error = e
             continue
         except WorkerCallFailed as e:
             stream.cancel()
-            view.end(plan)
-            log.error("request %s: %s failed: %s", request.request_id, plan.target_replica, e)
+            view.end(placement)
+            log.error("request %s: %s failed: %s", request.request_id, placement.target_replica, e)
             raise APIError(503, "The serving replica failed; retry", code="replica_failed") from None
         except BaseException:
             stream.cancel()
-            view.end(plan)
+            view.end(placement)
             raise
-        view.prefill_done(plan)  # the first chunk comes after the prefill, wherever it ran
-        call = Call(plan, stream, first, view)
+        view.prefill_done(placement)  # the first chunk comes after the prefill, wherever it ran
+        call = Call(placement, stream, first, view)
         if first.finish_reason == "error":
             call.close()
             raise APIError.from_body(error_status(first.error or {}), {"error": first.error or {}})

@@ -1,23 +1,20 @@
-"""OpenAI-shaped errors and the FastAPI handlers that guarantee them.
+"""OpenAI-shaped errors: `APIError` and the constructors for each kind.
 
 Every error the HTTP API returns has the body
 `{"error": {"message", "type", "param", "code"}}`. Bad input is always a 4xx (never
-FastAPI's 422); the only 5xx are 503 (nothing can serve) and 500 for a bug, which is
-logged server side and answered without a stack trace.
+FastAPI's 422); the only 5xx are 503 (nothing can serve) and 500 for a bug. This module
+is plain Python (placement raises from it outside any web server); router/http_errors.py
+turns these into FastAPI responses.
 """
 
 from __future__ import annotations
 
-import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from pydantic import ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-logger = logging.getLogger("pdcluster.router")
+if TYPE_CHECKING:
+    from fastapi.exceptions import RequestValidationError
 
 _TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -43,9 +40,6 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type,
                           "param": self.param, "code": self.code}}
-
-    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers={**self.headers, **(headers or {})})
 
     @classmethod
     def from_body(cls, status: int, body: dict[str, Any]) -> APIError:
@@ -91,40 +85,3 @@ def from_validation_error(error: ValidationError | RequestValidationError) -> AP
 
 def _is_type_label(part: str) -> bool:
     return any(ch in part for ch in "[]()") or part in ("str", "int", "float", "bool", "list", "dict")
-
-
-def install_handlers(app: FastAPI) -> None:
-    app.add_exception_handler(APIError, _api_error)
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(ValidationError, _validation_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(Exception, _unexpected)
-
-
-async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-    return exc.response(_request_id_header(request))
-
-
-async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
-    return from_validation_error(exc).response(_request_id_header(request))  # type: ignore[arg-type]
-
-
-async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    messages = {404: f"Unknown route {request.method} {request.url.path}",
-                405: f"Method {request.method} is not allowed on {request.url.path}"}
-    status = exc.status_code if exc.status_code >= 400 else 400
-    if status >= 500 and status != 503:
-        status = 500
-    message = messages.get(status, str(exc.detail))
-    code = {404: "not_found", 405: "method_not_allowed"}.get(status)
-    return APIError(status, message, code=code).response(_request_id_header(request))
-
-
-async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-    request_id = getattr(request.state, "request_id", None)
-    logger.error("request %s failed: %r", request_id, exc, exc_info=exc)
-    return APIError(500, "Internal server error", code="internal_error").response(_request_id_header(request))
-
-
-def _request_id_header(request: Request) -> dict[str, str]:
-    return {}  # RequestIdMiddleware (or Serve's proxy) sets x-request-id on every response

@@ -1,7 +1,7 @@
 """The Router ingress: the whole HTTP API of INTERFACES.md on one FastAPI app.
 
-Per request: parse and validate (400s), tokenise, resolve the workload profile, plan the
-route (`router/placement.py`), call the chosen worker and wait for its first chunk (which
+Per request: parse and validate (400s), tokenise, resolve the workload profile, place the
+request (`router/placement.py`), call the chosen worker and wait for its first chunk (which
 carries the route actually taken), then answer with `x-pd-route` / `x-pd-reason` /
 `x-request-id` and either an SSE stream or one JSON body. Profiles and the replica table
 come from the ControlPlane, polled in the background.
@@ -11,7 +11,6 @@ come from the ControlPlane, polled in the background.
 # signatures of a class that Serve pickles by value.
 
 import asyncio
-import dataclasses
 import logging
 import random
 import time
@@ -25,22 +24,21 @@ from ray import serve
 from cluster.config import ClusterConfig, WorkloadProfile, load_config
 from router import admin, admission, dispatch, metrics, sse, streaming
 from router.api_keys import ApiKeys
+from router.cluster_view import ClusterView
 from router.errors import (
     bad_request,
     context_length_exceeded,
     from_validation_error,
-    install_handlers,
     model_not_found,
 )
+from router.http_errors import install_handlers
 from router.middleware import RequestIdMiddleware, read_json
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest
-from router.placement import ClusterView
-from router.profiles import Profiles, client_mode, view
+from router.profiles import Profiles, client_mode
 from router.prompting import PromptBuilder
 from router.responses import ResponseShape
 from router.tenants import Tenants
 from workers.model_files import resolve_model_path  # makes a preset once per node, under a lock
-from workers.protocol import GenerateRequest
 from workers.stream.client import worker_streams
 
 log = logging.getLogger("pdcluster.router")
@@ -180,23 +178,14 @@ class Router:
         if not self.view.replicas:
             await self._refresh()  # first requests after a (re)start: do not wait for the poll
         request_id = request.state.request_id
-        seed = req.seed if req.seed is not None else random.getrandbits(31)
-
-        def make_request(plan) -> GenerateRequest:
-            return GenerateRequest(
-                request_id=request_id, prompt_token_ids=prompt_ids, seed=seed,
-                params=dataclasses.replace(params, yield_to_decode=True) if plan.decision.yield_prefill else params,
-                route=plan.decision.route, reason=plan.decision.reason, workload=workload,
-                deadline=time.time() + profile.deadline_s if profile.deadline_s else None,
-                prefill_timeout_s=self.config.router.prefill_timeout_s,
-                target_replica=plan.target_replica, prefill_replica=plan.prefill_replica,
-                prefill_address=self.view.stream_address(plan.prefill_replica) if self.streams else None)
-
-        call = await dispatch.start(
-            dispatch.Callers(self.handles, self.streams), self.view,
-            lambda: self.view.plan(prompt_ids, params.max_tokens, view(profile), forced,
-                                   self.config.router.offload_local_to_prefill),
-            make_request, self.config.router.request_timeout_s)
+        draft = dispatch.RequestDraft(
+            request_id=request_id, prompt_ids=prompt_ids, params=params,
+            seed=req.seed if req.seed is not None else random.getrandbits(31),
+            workload=workload, profile=profile, forced_mode=forced,
+            offload_to_prefill=self.config.router.offload_local_to_prefill,
+            prefill_timeout_s=self.config.router.prefill_timeout_s,
+            first_chunk_timeout_s=self.config.router.request_timeout_s)
+        call = await dispatch.start(dispatch.Callers(self.handles, self.streams), self.view, draft)
         self.metrics.record_route(call.route, call.reason, workload)
         self.metrics.record_worker_call(call.path)
         headers = {"x-pd-route": call.route, "x-pd-reason": call.reason}

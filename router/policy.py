@@ -15,25 +15,18 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
+from cluster.config import WorkloadProfile
 from workers.engine.step_cost import YIELD_STEP_FRACTION
 from workers.protocol import REASONS, Route
 
 
 @dataclass(frozen=True)
-class ProfileView:
-    """The parts of a workload profile a policy reads (decoupled from the pydantic model)."""
-
-    mode: str = "auto"
-    min_remote_prefill_tokens: int = 256
-    max_prefill_queue: int = 4
-    max_local_prefill_tokens_while_decoding: int = 512
-
-
-@dataclass(frozen=True)
 class RouteContext:
+    """Everything a policy may look at for one request, gathered by `placement.place`."""
+
     prompt_len: int
     num_cached_tokens: int  # the chosen decode replica's expected prefix-cache hit
-    profile: ProfileView
+    profile: WorkloadProfile  # the workload's profile (router/profiles.py); read, never changed
     forced_mode: str | None = None  # a client `x-pd-mode` the profile allows, else None
     num_healthy_prefill: int = 0
     prefill_queue_len: int = 0  # of the least-loaded healthy prefill replica
@@ -157,4 +150,5 @@ _POLICIES = {"local": LocalPolicy, "disagg": DisaggPolicy}
 
 
 def decide(ctx: RouteContext) -> RouteDecision:
+    """Where this request prefills, as the policy that applies decides it."""
     return policy_for(ctx).decide(ctx)

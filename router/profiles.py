@@ -1,4 +1,4 @@
-"""Workload profiles as the router holds them, and which one applies to a request.
+"""Which workload profile applies to a request, from the profiles the router holds.
 
 Precedence (INTERFACES.md): `x-workload` header > the API key's profile > the model's
 profile > `default`. The first source that names a profile decides; a name that is not
@@ -10,14 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cluster.config import WorkloadProfile
-from router.policy import ProfileView
 
 VALID_MODES = ("auto", "disagg", "local")
 
 
 @dataclass(frozen=True)
 class Profiles:
-    """A versioned, immutable snapshot of every profile (swapped whole on update)."""
+    """A versioned snapshot of every profile: swapped whole on update, never changed in
+    place, so a request and its routing policy read one consistent profile."""
 
     version: int
     by_name: dict[str, WorkloadProfile]
@@ -31,16 +31,11 @@ class Profiles:
         return "default"
 
     def get(self, name: str) -> WorkloadProfile:
+        """The named profile (a name from `resolve`), else `default`."""
         return self.by_name.get(name) or self.by_name.get("default") or WorkloadProfile()
 
     def as_dict(self) -> dict[str, dict]:
         return {name: p.model_dump() for name, p in sorted(self.by_name.items())}
-
-
-def view(profile: WorkloadProfile) -> ProfileView:
-    return ProfileView(mode=profile.mode, min_remote_prefill_tokens=profile.min_remote_prefill_tokens,
-                       max_prefill_queue=profile.max_prefill_queue,
-                       max_local_prefill_tokens_while_decoding=profile.max_local_prefill_tokens_while_decoding)
 
 
 def client_mode(profile: WorkloadProfile, header: str | None) -> str | None:

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 
 from router import dispatch, metrics, sse
 from router.errors import APIError
+from router.http_errors import error_response
 from router.responses import ResponseShape
 
 log = logging.getLogger("pdcluster.router")
@@ -98,7 +99,7 @@ async def collect_json(call: dispatch.Call, shape: ResponseShape, prompt_ids: li
         async for chunk in all_chunks(call):
             if chunk.error is not None:
                 status = dispatch.error_status(chunk.error)
-                return APIError.from_body(status, {"error": chunk.error}).response(headers)
+                return error_response(APIError.from_body(status, {"error": chunk.error}), headers)
             if chunk.token_ids or chunk.text:
                 timing.content()
             texts.append(chunk.text)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from router.policy import ProfileView, RouteContext, decide
+from cluster.config import WorkloadProfile
+from router.policy import RouteContext, decide
 
-AUTO = ProfileView(mode="auto", min_remote_prefill_tokens=100, max_prefill_queue=2)
+AUTO = WorkloadProfile(mode="auto", min_remote_prefill_tokens=100, max_prefill_queue=2)
 
 
 def ctx(**kw):
@@ -29,14 +30,14 @@ def ctx(**kw):
         ({"prefill_queue_len": 1}, ("disagg", "long-prompt")),
         ({"num_healthy_prefill": 0}, ("local", "prefill-unhealthy")),
         ({"decode_has_room": False}, ("local", "decode-busy")),
-        ({"profile": ProfileView(mode="local")}, ("local", "profile")),
-        ({"profile": ProfileView(mode="disagg"), "prompt_len": 3}, ("disagg", "profile")),
-        ({"profile": ProfileView(mode="disagg"), "num_healthy_prefill": 0}, ("local", "prefill-unhealthy")),
+        ({"profile": WorkloadProfile(mode="local")}, ("local", "profile")),
+        ({"profile": WorkloadProfile(mode="disagg"), "prompt_len": 3}, ("disagg", "profile")),
+        ({"profile": WorkloadProfile(mode="disagg"), "num_healthy_prefill": 0}, ("local", "prefill-unhealthy")),
         ({"forced_mode": "local"}, ("local", "forced")),
         ({"forced_mode": "disagg", "prompt_len": 3}, ("disagg", "forced")),
         ({"forced_mode": "disagg", "num_healthy_prefill": 0}, ("local", "prefill-unhealthy")),
-        ({"forced_mode": "auto", "profile": ProfileView(mode="local")}, ("disagg", "long-prompt")),
-        ({"profile": ProfileView(mode="auto", min_remote_prefill_tokens=0, max_prefill_queue=0)},
+        ({"forced_mode": "auto", "profile": WorkloadProfile(mode="local")}, ("disagg", "long-prompt")),
+        ({"profile": WorkloadProfile(mode="auto", min_remote_prefill_tokens=0, max_prefill_queue=0)},
          ("local", "prefill-busy")),
     ],
 )
@@ -48,8 +49,8 @@ def test_decision_table(kw, expected):
 # Spilling to the decode replica: where the prompt's first token is expected sooner.
 # The prompt has 500 uncached tokens; AUTO_SPILL lets a prompt of 300 or less spill in the
 # foreground, a longer one prefills in the background (yield_prefill).
-AUTO_SPILL = ProfileView(mode="auto", min_remote_prefill_tokens=100, max_prefill_queue=4,
-                         max_local_prefill_tokens_while_decoding=300)
+AUTO_SPILL = WorkloadProfile(mode="auto", min_remote_prefill_tokens=100, max_prefill_queue=4,
+                             max_local_prefill_tokens_while_decoding=300)
 SPILL = {"profile": AUTO_SPILL}
 BACKGROUND, FOREGROUND, REMOTE = ("local", "prefill-busy", True), ("local", "prefill-busy", False), \
     ("disagg", "long-prompt", False)
@@ -83,5 +84,5 @@ def test_spill_table(kw, expected):
 def test_never_disagg_without_prefill():
     for mode in ("auto", "disagg", "local"):
         for forced in (None, "auto", "disagg", "local"):
-            d = decide(ctx(num_healthy_prefill=0, profile=ProfileView(mode=mode), forced_mode=forced))
+            d = decide(ctx(num_healthy_prefill=0, profile=WorkloadProfile(mode=mode), forced_mode=forced))
             assert d.route == "local"

@@ -174,20 +174,20 @@ def test_stream_holds_its_ticket_until_the_end():
 def test_overdue_heartbeats_are_not_a_dead_pool():
     """On a saturated machine every heartbeat can be late at once: the router still tries
     replicas whose last heartbeat said healthy (503 only when none is left)."""
-    from router.control_plane import ReplicaInfo
-    from router.placement import ClusterView
-    from router.policy import ProfileView
+    from cluster.config import WorkloadProfile
+    from router.cluster_view import ClusterView, ReplicaInfo
+    from router.placement import place
 
-    auto = ProfileView(mode="auto", min_remote_prefill_tokens=32, max_prefill_queue=4)
+    auto = WorkloadProfile(mode="auto", min_remote_prefill_tokens=32, max_prefill_queue=4)
     view = ClusterView(block_size=16, max_num_seqs=8)
     view.update([ReplicaInfo("d1", "decode", healthy=False, stats={"healthy": True}),
                  ReplicaInfo("p1", "prefill", healthy=False, stats={"healthy": True})])
-    plan = view.plan(list(range(100)), 4, auto, None)
-    assert (plan.target_replica, plan.decision.route) == ("d1", "local")
+    placement = place(view, list(range(100)), 4, auto, None)
+    assert (placement.target_replica, placement.decision.route) == ("d1", "local")
     view.excluded.add("d1")  # its call failed: dispatch excludes it
     with pytest.raises(APIError) as e:
-        view.plan(list(range(100)), 4, auto, None)
+        place(view, list(range(100)), 4, auto, None)
     assert e.value.status == 503
     view.update([ReplicaInfo("d1", "decode", healthy=False, stats={"healthy": False})])  # engine dead
     with pytest.raises(APIError):
-        view.plan([1, 2, 3], 4, auto, None)
+        place(view, [1, 2, 3], 4, auto, None)

@@ -1,6 +1,6 @@
 """Router units without Ray: request validation (with a fuzz), workload precedence,
 metrics merge, the control plane's logic, the admin checks, replica pinning, API keys and
-SSE framing. (The planner and its prefix index: test_router_planner.py.)"""
+SSE framing. (Placement and its prefix index: test_router_placement.py.)"""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 from cluster.config import WorkloadProfile
 from router import metrics
 from router.admin import check_admin, parse_profile
+from router.cluster_view import ClusterView
 from router.control_plane import ControlPlaneCore
 from router.errors import APIError
 from router.ingress import _parse
-from router.placement import ClusterView
 from router.profiles import Profiles, client_mode
 
 # ---- request validation ------------------------------------------------------------
@@ -278,15 +278,15 @@ def _run_stream(chunks, include_usage=True):
     import asyncio
 
     from router import dispatch, streaming
-    from router.placement import RoutePlan
+    from router.placement import Placement
     from router.policy import RouteDecision
     from router.responses import ResponseShape
 
     view = ClusterView(16, 8)
-    plan = RoutePlan("decode", "d1", None, RouteDecision("local", "short-prompt"), 0)
-    view.begin(plan)
+    placement = Placement("decode", "d1", None, RouteDecision("local", "short-prompt"), 0)
+    view.begin(placement)
     stream = _FakeStream(chunks[1:])
-    call = dispatch.Call(plan, stream, chunks[0], view)
+    call = dispatch.Call(placement, stream, chunks[0], view)
     timing = streaming.Timing(metrics.RouterMetrics("tiny"), "local", "default", 0.0)
 
     async def consume():
@@ -320,6 +320,93 @@ def test_sse_usage_chunk_then_done():
     assert frames[-1] == "[DONE]"
     assert json.loads(frames[-2])["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
     assert json.loads(frames[-3])["choices"][0]["finish_reason"] == "length"
+
+
+# ---- dispatch ----------------------------------------------------------------------
+
+
+def test_both_kinds_of_worker_call_satisfy_the_protocol():
+    from ray.serve.handle import DeploymentResponseGenerator
+
+    from router.dispatch import WorkerCall
+    from workers.stream.client import StreamCall
+
+    assert issubclass(StreamCall, WorkerCall) and issubclass(DeploymentResponseGenerator, WorkerCall)
+    assert issubclass(_FakeStream, WorkerCall)
+
+
+class _GoneStream(_FakeStream):
+    async def __anext__(self):
+        from workers.stream.client import ReplicaGone
+
+        raise ReplicaGone("the replica went away")
+
+
+class _FakeHandle:
+    """A Serve handle (`options(stream=True).generate.remote(request)`) that keeps the
+    requests it was given and answers each with the next of `streams`."""
+
+    def __init__(self, streams):
+        self.streams, self.requests = list(streams), []
+
+    def options(self, stream):
+        return self
+
+    @property
+    def generate(self):
+        return self
+
+    def remote(self, request):
+        self.requests.append(request)
+        return self.streams.pop(0)
+
+
+def _draft(**kw):
+    from router import dispatch
+    from workers.engine.sampling_params import SamplingParams
+
+    base = {"request_id": "r1", "prompt_ids": [1, 2, 3], "params": SamplingParams(max_tokens=4), "seed": 7,
+            "workload": "chat", "profile": WorkloadProfile(deadline_s=5.0), "forced_mode": None,
+            "offload_to_prefill": True, "prefill_timeout_s": 2.0, "first_chunk_timeout_s": 1.0}
+    return dispatch.RequestDraft(**{**base, **kw})
+
+
+def test_dispatch_places_the_draft_and_retries_once_on_another_replica():
+    import asyncio
+    import time
+
+    from router import dispatch
+    from router.cluster_view import ReplicaInfo
+    from workers.protocol import GenerateChunk
+
+    view = ClusterView(16, 8)
+    view.update([ReplicaInfo("d1", "decode"), ReplicaInfo("d2", "decode", stats={"num_running": 1})])
+    gone = _GoneStream([])
+    serving = _FakeStream([GenerateChunk(token_ids=[5], text="a", route="local", reason="short-prompt"),
+                           GenerateChunk(finished=True, finish_reason="stop")])
+    handle = _FakeHandle([gone, serving])
+    call = asyncio.run(dispatch.start(dispatch.Callers({"decode": handle}), view, _draft()))
+    assert [r.target_replica for r in handle.requests] == ["d1", "d2"]  # d1 failed: excluded
+    assert gone.cancelled and view.excluded == {"d1"}
+    request = handle.requests[1]
+    assert (request.request_id, request.prompt_token_ids, request.seed, request.workload) == ("r1", [1, 2, 3], 7, "chat")
+    assert (request.route, request.reason, request.prefill_timeout_s) == ("local", "prefill-unhealthy", 2.0)
+    assert request.prefill_address is None and not request.params.yield_to_decode
+    assert time.time() < request.deadline <= time.time() + 5.0
+    assert (call.path, call.route, call.reason) == ("handle", "local", "short-prompt")
+    assert view.inflight == {"d2": 1}
+    call.close()
+    assert view.inflight == {} and serving.cancelled  # abandoned before its end: cancelled
+
+
+def test_request_draft_writes_the_placement_into_the_request():
+    from router.placement import Placement
+    from router.policy import RouteDecision
+
+    placement = Placement("decode", "d1", "p1", RouteDecision("local", "prefill-busy", yield_prefill=True), 0)
+    request = _draft(profile=WorkloadProfile()).generate_request(placement, "tcp://p1")
+    assert (request.target_replica, request.prefill_replica, request.prefill_address) == ("d1", "p1", "tcp://p1")
+    assert request.params.yield_to_decode and request.params.max_tokens == 4 and request.deadline is None
 
 
 def _count(m: metrics.RouterMetrics, name: str) -> float:

@@ -1,0 +1,129 @@
+"""The router's view of the cluster: the replicas the ControlPlane reported, plus what
+this router has sent them since.
+
+Heartbeats arrive about every half second (`update`); between them the router counts
+its own requests on each replica (`begin` ... `end`), the prompt tokens still waiting
+for their first token there (its prefill backlog), and which prompt blocks it sent
+where (`PrefixIndex`). Where a request goes is decided from this view by
+`router/placement.py`; nothing here does I/O, so a simulator can drive it directly.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from router.prefix_index import PrefixIndex
+
+if TYPE_CHECKING:
+    from router.placement import Placement
+
+
+@dataclass
+class ReplicaInfo:
+    """One worker replica as its last heartbeat reported it (the ControlPlane's registry)."""
+
+    replica_id: str  # Serve's replica unique id (what `target_replica` names)
+    role: str  # "prefill" | "decode"
+    node_id: str = ""
+    address: str | None = None  # the replica's advertised KV transport address
+    healthy: bool = True
+    last_heartbeat: float = 0.0
+    # num_running, num_waiting, num_inflight, kv_blocks_free, kv_blocks_total, max_num_seqs, ...
+    stats: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # what the worker added at register
+
+    @property
+    def load(self) -> int:
+        s = self.stats
+        return int(s.get("num_running", 0)) + int(s.get("num_waiting", 0))
+
+    @property
+    def queue_len(self) -> int:
+        return int(self.stats.get("num_waiting", 0))
+
+
+class ClusterView:
+    """The replicas from the last heartbeats, plus this router's requests on each since."""
+
+    def __init__(self, block_size: int, max_num_seqs: int, prefix_capacity_blocks: int = 65536) -> None:
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.replicas: dict[str, ReplicaInfo] = {}
+        self.inflight: Counter[str] = Counter()
+        self.backlog: Counter[str] = Counter()  # prompt tokens waiting for a first token
+        self.awaiting_first: Counter[str] = Counter()  # target replica, before the first token
+        self.excluded: set[str] = set()  # replicas that just failed a call, until the next update
+        self.index = PrefixIndex(prefix_capacity_blocks)
+
+    def update(self, replicas: list[ReplicaInfo]) -> None:
+        self.replicas = {r.replica_id: r for r in replicas}
+        self.excluded.clear()
+        self.index.retain(self.replicas)
+
+    def stream_address(self, replica_id: str | None) -> str | None:
+        """The replica's advertised worker stream (workers/stream/client.py), if any."""
+        replica = self.replicas.get(replica_id) if replica_id else None
+        return replica.extra.get("stream_address") if replica is not None else None
+
+    def healthy(self, role: str) -> list[ReplicaInfo]:
+        return [r for r in self.replicas.values()
+                if r.role == role and r.healthy and r.replica_id not in self.excluded]
+
+    def overdue(self, role: str) -> list[ReplicaInfo]:
+        """Replicas unhealthy only because their heartbeat is late (the last one said
+        healthy). A dead one among them fails its call at once and is excluded (dispatch)."""
+        return [r for r in self.replicas.values() if r.role == role and not r.healthy
+                and r.stats.get("healthy", True) and r.replica_id not in self.excluded]
+
+    def load(self, replica: ReplicaInfo) -> int:
+        return max(replica.load, self.inflight[replica.replica_id])
+
+    def num_streams(self, replica: ReplicaInfo) -> int:
+        """Requests this router has past their first token on `replica`."""
+        return max(0, self.inflight[replica.replica_id] - self.awaiting_first[replica.replica_id])
+
+    # In-flight bookkeeping of one placed request: begin, first_token/prefill_done, end.
+    def begin(self, placement: Placement) -> None:
+        for replica_id in _touched(placement):
+            self.inflight[replica_id] += 1
+            self.index.insert(replica_id, placement.hashes)  # a prefill replica caches the prompt too
+        if placement.prefill_on:
+            self.backlog[placement.prefill_on] += placement.prefill_tokens
+        if placement.target_replica:
+            self.awaiting_first[placement.target_replica] += 1
+
+    def end(self, placement: Placement) -> None:
+        self.first_token(placement)
+        for replica_id in _touched(placement):
+            _decrement(self.inflight, replica_id)
+
+    def prefill_done(self, placement: Placement) -> None:
+        """The first token is back: a disaggregated request no longer loads its prefill
+        replica (it decodes elsewhere), so `max_prefill_queue` counts prefills only."""
+        self.first_token(placement)
+        if placement.prefill_replica and not placement.prefill_released:
+            placement.prefill_released = True
+            _decrement(self.inflight, placement.prefill_replica)
+
+    def first_token(self, placement: Placement) -> None:
+        """Idempotent: the prompt is computed; it no longer queues anyone's prefill."""
+        if placement.first_token:
+            return
+        placement.first_token = True
+        if placement.prefill_on:
+            _decrement(self.backlog, placement.prefill_on, placement.prefill_tokens)
+        if placement.target_replica:
+            _decrement(self.awaiting_first, placement.target_replica)
+
+
+def _touched(placement: Placement) -> list[str]:
+    prefill = None if placement.prefill_released else placement.prefill_replica
+    return [r for r in (placement.target_replica, prefill) if r]
+
+
+def _decrement(counter: Counter[str], key: str, amount: int = 1) -> None:
+    counter[key] -= amount
+    if counter[key] <= 0:
+        del counter[key]

@@ -1,0 +1,157 @@
+"""Placement without Ray: the prefix index the router keeps, replica choice (prefix
+affinity, then load), fallbacks, offload to an idle prefill replica, the backlog and
+stream counts the `auto` policy spills on, and that placement and the policy import no
+web or Ray code (a simulator runs them in a plain process)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from cluster.config import WorkloadProfile
+from router.admin import parse_profile
+from router.cluster_view import ClusterView, ReplicaInfo
+from router.errors import APIError
+from router.placement import place
+from router.prefix_index import PrefixIndex
+from workers.engine.prefix_hash import block_hashes
+
+# ---- prefix index ------------------------------------------------------------------
+
+
+def test_prefix_index_leading_run_and_lru():
+    index = PrefixIndex(capacity_blocks=4)
+    a = block_hashes(list(range(64)), 16)  # 4 blocks
+    index.insert("r1", a[:3])
+    assert index.num_matched_blocks("r1", a) == 3
+    assert index.num_matched_blocks("r2", a) == 0
+    b = block_hashes([7] * 32, 16)
+    index.insert("r1", b)  # evicts the two oldest of a
+    assert index.num_blocks("r1") == 4
+    assert index.num_matched_blocks("r1", a) == 0  # the chain's first block is gone
+    index.retain(["r2"])
+    assert index.num_blocks("r1") == 0
+
+
+# ---- placement ---------------------------------------------------------------------
+
+AUTO = WorkloadProfile(mode="auto", min_remote_prefill_tokens=32, max_prefill_queue=2)
+
+
+def replica(rid, role, **stats):
+    return ReplicaInfo(rid, role, healthy=True, stats=stats)
+
+
+def test_placement_prefers_prefix_affinity_then_load():
+    view = ClusterView(block_size=16, max_num_seqs=8)
+    view.update([replica("d1", "decode"), replica("d2", "decode", num_running=1), replica("p1", "prefill")])
+    prompt = list(range(100))
+    first = place(view, prompt, 8, AUTO, None, offload_to_prefill=False)
+    assert first.target_replica == "d1" and first.decision.route == "disagg"
+    view.begin(first)
+    view.end(first)
+    view.update([replica("d1", "decode", num_running=3), replica("d2", "decode"), replica("p1", "prefill")])
+    again = place(view, prompt, 8, AUTO, None, offload_to_prefill=False)
+    assert again.target_replica == "d1"  # the cached prefix wins over a little load
+    assert again.num_cached_tokens == 96 and again.decision.reason == "prefix-hit"
+    other = place(view, [5] * 100, 8, AUTO, None, offload_to_prefill=False)
+    assert other.target_replica == "d2"  # no hit anywhere: least loaded
+
+
+def test_placement_fallbacks_and_offload():
+    view = ClusterView(block_size=16, max_num_seqs=8)
+    with pytest.raises(APIError) as info:
+        place(view, [1, 2, 3], 4, AUTO, None)
+    assert info.value.status == 503
+    view.update([replica("d1", "decode", num_running=2), replica("p1", "prefill")])
+    short = place(view, [1, 2, 3], 4, AUTO, None)
+    assert (short.deployment, short.target_replica, short.decision.reason) == ("prefill", "p1", "short-prompt")
+    view.update([replica("p1", "prefill")])  # no decode replica: a prefill replica runs it whole
+    assert place(view, [1, 2, 3], 4, AUTO, None).deployment == "prefill"
+    view.update([replica("d1", "decode", kv_blocks_free=2), replica("p1", "prefill")])
+    full = place(view, list(range(100)), 8, AUTO, None, offload_to_prefill=False)
+    assert full.decision.reason == "decode-busy"
+
+
+def test_placement_spills_a_prompt_where_its_first_token_comes_sooner():
+    """Placement counts the prompt tokens it has waiting for a first token on each
+    replica and the streams past it; the policy spills on those (AutoPolicy)."""
+    view = ClusterView(block_size=16, max_num_seqs=8)
+    view.update([replica("d1", "decode"), replica("p1", "prefill")])
+    profile = WorkloadProfile(mode="auto", min_remote_prefill_tokens=32, max_prefill_queue=4,
+                              max_local_prefill_tokens_while_decoding=64)
+
+    def placed(seed: int, n: int = 100):
+        p = place(view, [seed] * n, 8, profile, None, offload_to_prefill=False)
+        view.begin(p)
+        return p
+
+    first = placed(1)
+    assert first.decision.route == "disagg" and view.backlog == {"p1": 100}  # an idle pool: remote
+    second = placed(2)  # 100 ahead of it on p1, nothing on the idle d1: spill, in the background
+    assert (second.decision.reason, second.decision.yield_prefill) == ("prefill-busy", True)
+    assert view.backlog == {"p1": 100, "d1": 100}
+    assert placed(3).decision.route == "disagg"  # equal waits: the prefill pool
+    view.update([replica("d1", "decode"), replica("p1", "prefill", num_running=4)])  # queue at the cap
+    capped = place(view, [5] * 40, 8, profile, None, offload_to_prefill=False)  # too small to yield
+    assert (capped.decision.reason, capped.decision.yield_prefill) == ("prefill-busy", False)
+    view.update([replica("d1", "decode"), replica("p1", "prefill")])
+    for p in (first, second):
+        view.prefill_done(p)  # first tokens back: both decode on d1 now
+    assert view.backlog == {"p1": 100} and view.num_streams(view.replicas["d1"]) == 2
+    # d1 streams: a spill runs ~3x slower there, so it must be clearly better
+    assert placed(6).decision.route == "disagg"  # 3 * 100 vs 100 + 100 ahead: no
+    assert placed(8).decision.route == "disagg"  # 3 * 100 vs 200 + 100 ahead: no
+    third = placed(7)  # 300 ahead on p1 now: 3 * 100 < 400
+    assert (third.decision.reason, third.decision.yield_prefill) == ("prefill-busy", True)
+    for p in (first, second, third):
+        view.end(p)
+    assert view.num_streams(view.replicas["d1"]) == 0 and "d1" not in view.backlog
+
+
+def test_decode_busy_guard_threshold_is_a_profile_field():
+    full = {"mode": "auto", "min_remote_prefill_tokens": 256, "max_prefill_queue": 4,
+            "allow_client_override": True}
+    assert parse_profile("x", full).max_local_prefill_tokens_while_decoding == 512  # optional
+    profile = parse_profile("x", {**full, "max_local_prefill_tokens_while_decoding": 0})
+    assert profile.max_local_prefill_tokens_while_decoding == 0
+    with pytest.raises(APIError):
+        parse_profile("x", {**full, "max_local_prefill_tokens_while_decoding": -1})
+
+
+def test_placement_and_policy_import_no_web_or_ray_code():
+    """A simulator runs the same placement and policy code in a plain process: importing
+    and running it loads neither Ray nor FastAPI nor Starlette."""
+    code = textwrap.dedent("""
+        import sys
+        from cluster.config import WorkloadProfile
+        from router.cluster_view import ClusterView, ReplicaInfo
+        from router.placement import place
+        from router.policy import RouteContext, decide
+        from router.prefix_index import PrefixIndex
+        from router.profiles import Profiles, client_mode
+
+        profiles = Profiles(1, {"default": WorkloadProfile()})
+        profile = profiles.get(profiles.resolve("chat"))
+        view = ClusterView(block_size=16, max_num_seqs=8)
+        view.update([ReplicaInfo("d1", "decode"), ReplicaInfo("p1", "prefill")])
+        for n in (3, 300):
+            placement = place(view, list(range(n)), 8, profile, client_mode(profile, "auto"))
+            view.begin(placement)
+            view.prefill_done(placement)
+            view.end(placement)
+        try:
+            place(ClusterView(16, 8), [1, 2, 3], 8, profile, None)
+        except Exception as e:
+            assert getattr(e, "status", None) == 503, e
+        decide(RouteContext(prompt_len=10, num_cached_tokens=0, profile=profile))
+        PrefixIndex()
+        print(sorted(m for m in ("ray", "fastapi", "starlette") if m in sys.modules))
+    """)
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=root)
+    assert out.stdout.strip() == "[]"
