@@ -15,15 +15,18 @@ restart; editing `args` changes the app's code version, so Serve replaces its re
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 from ray.serve import Application
 
-from cluster.config import ClusterConfig, PoolConfig, load_config
+from cluster.config import ClusterConfig, ConfigError, PoolConfig, load_config
 
 # Fast failure detection: a dead engine loop or replica is replaced within seconds.
 HEALTH_CHECK_PERIOD_S = 2.0
 HEALTH_CHECK_TIMEOUT_S = 10.0
+MIN_KEY_LEN = 16  # characters of the transport key
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
@@ -38,16 +41,38 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
 
 
 def transport_key(config: ClusterConfig) -> str:
-    """The KV transport's shared HMAC key, which also seals the router <-> worker stream:
-    configured, else one fresh key for this deployment (handed to every worker and router
-    as a constructor argument, never logged)."""
+    """The shared key of the KV transport and the worker stream (HMACs on every message),
+    resolved here once and handed to every worker and router as a constructor argument;
+    nothing below reads a key file or the environment. The first that is set wins:
+
+    1. `transport.key_file`, 2. `secrets.transport_key_file`, 3. the variable named by
+    `secrets.transport_key_env` (`$PDC_TRANSPORT_KEY`), 4. a fresh key for this deployment,
+    shared by all its replicas. Never logged, never in an error."""
     from transport.config import generate_key
 
-    if config.transport.key_file:
-        from pathlib import Path
+    env = config.secrets.transport_key_env
+    looked = f"transport.key_file, secrets.transport_key_file, ${env}"
+    for where, file in (("transport.key_file", config.transport.key_file),
+                        ("secrets.transport_key_file", config.secrets.transport_key_file)):
+        if file:
+            return _checked_key(_read_key_file(file, where), f"{where} {file}", looked)
+    if os.environ.get(env):
+        return _checked_key(os.environ[env], f"${env}", looked)
+    return generate_key()
 
-        return Path(config.transport.key_file).read_text().strip()
-    return config.secrets.transport_key() or generate_key()
+
+def _read_key_file(file: str, where: str) -> str:
+    try:
+        return Path(file).read_text().strip()
+    except OSError as e:
+        raise ConfigError(f"cannot read {where} {file}: {e.strerror}") from None
+
+
+def _checked_key(key: str, source: str, looked: str) -> str:
+    if len(key) < MIN_KEY_LEN:
+        raise ConfigError(f"the transport key from {source} is shorter than {MIN_KEY_LEN} "
+                          f"characters (looked at, in order: {looked})")
+    return key
 
 
 def _control_plane(config: ClusterConfig):

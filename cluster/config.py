@@ -19,6 +19,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from transport.config import TransportConfig
 from workers.faults import FaultSettings
 
 Mode = Literal["auto", "disagg", "local"]
@@ -135,21 +136,6 @@ class PoolConfig(_Strict):
         return options
 
 
-class TransportSettings(_Strict):
-    """KV transport; mirrors `transport.factory.TransportConfig` (see `transport_config()`)."""
-
-    backend: Literal["auto", "zmq", "nccl", "shm", "local"] = "auto"  # auto: same-node backend when possible
-    host: str | None = None  # address to advertise; None: the node's IP (never hard-coded localhost)
-    port: int = Field(default=0, ge=0, le=65535)  # 0: an ephemeral port per replica
-    # zmq/shm/auto between nodes: payloads over a per-pair TCP stream read straight into the
-    # KV blocks (the `tcp` data path, on `data_port`); false: in ZMQ frames on `port`
-    direct_tcp: bool = True
-    data_port: int = Field(default=0, ge=0, le=65535)  # 0: an ephemeral port per replica
-    connect_timeout_s: float = Field(default=5.0, gt=0)
-    transfer_timeout_s: float = Field(default=30.0, gt=0)
-    key_file: str | None = None  # HMAC key file; else $PDC_TRANSPORT_KEY
-
-
 class RouterSettings(_Strict):
     num_replicas: int = Field(default=1, ge=1)
     num_cpus: float = Field(default=1.0, ge=0)
@@ -234,9 +220,6 @@ class SecretsConfig(_Strict):
     def admin_token(self) -> str | None:
         return _read_secret(self.admin_token_file, self.admin_token_env)
 
-    def transport_key(self) -> str | None:
-        return _read_secret(self.transport_key_file, self.transport_key_env)
-
     def api_keys_path(self) -> Path | None:
         path = self.api_keys_file or os.environ.get(self.api_keys_file_env) or None
         return Path(path) if path else None
@@ -261,7 +244,7 @@ class ClusterConfig(_Strict):
     engine: EngineSettings = Field(default_factory=EngineSettings)
     prefill: PoolConfig = Field(default_factory=PoolConfig)
     decode: PoolConfig = Field(default_factory=PoolConfig)
-    transport: TransportSettings = Field(default_factory=TransportSettings)
+    transport: TransportConfig = Field(default_factory=TransportConfig)  # options: transport/config.py
     router: RouterSettings = Field(default_factory=RouterSettings)
     workloads: dict[str, WorkloadProfile] = Field(default_factory=_default_workloads)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)

@@ -60,6 +60,11 @@ def run_server(args: dict, config: ClusterConfig, stop: threading.Event | None =
 
     from cluster.app import build_app
 
+    try:
+        app = build_app(args)  # resolves the transport key: a bad one fails here, before Ray starts
+    except ConfigError as e:
+        typer.echo(str(e), err=True)
+        return 2
     external = bool(os.environ.get("RAY_ADDRESS"))
     if external:
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
@@ -69,7 +74,7 @@ def run_server(args: dict, config: ClusterConfig, stop: threading.Event | None =
     stop = stop or _stop_on_signals()  # after ray.init, which installs its own handlers
     try:
         serve.start(http_options=http_options(config))  # host, port, TLS
-        serve.run(build_app(args), name=APP_NAME, route_prefix="/", blocking=False)
+        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
         url = base_url(config)
         typer.echo(f"pdcluster serving {config.model.served_name} at {url} (Ctrl-C to stop)", err=True)
         stop.wait()

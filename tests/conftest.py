@@ -32,12 +32,12 @@ def ray_cluster():
     import ray
     from ray import serve
 
+    # The key `build_app` (run in this process) hands to the session's apps; known here too.
     os.environ.setdefault("PDC_TRANSPORT_KEY", "test-transport-key-0123456789")
     if not ray.is_initialized():
         # address="local": always a fresh cluster of our own, never one left running.
         ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1",
-                                           "PDC_TRANSPORT_KEY": os.environ["PDC_TRANSPORT_KEY"]}})
+                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield {"http_port": port}

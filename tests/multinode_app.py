@@ -20,8 +20,8 @@ def main(model_dir: str, port: int) -> None:
 
     from cluster.app import build_app
 
-    os.environ.setdefault("PDC_TRANSPORT_KEY", "multinode-test-key-0123456789")
-    env = {"env_vars": {"OMP_NUM_THREADS": "1", "PDC_TRANSPORT_KEY": os.environ["PDC_TRANSPORT_KEY"]}}
+    os.environ.setdefault("PDC_TRANSPORT_KEY", "multinode-test-key-0123456789")  # read by build_app here
+    env = {"env_vars": {"OMP_NUM_THREADS": "1"}}
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
     prefill_node = cluster.add_node(num_cpus=1, resources={"prefill": 1})
     decode_node = cluster.add_node(num_cpus=1, resources={"decode": 1})

@@ -110,3 +110,54 @@ def test_preset_is_made_once(tmp_path):
     path = resolve_model_path(model)
     assert (tmp_path / "tiny-seed0" / "config.json").exists()
     assert path == tmp_path / "tiny-seed0"
+
+
+def test_the_transport_section_is_the_transports_own_config():
+    from transport.config import TransportConfig
+
+    cfg = load_config({"transport": {"backend": "zmq", "curve": True, "direct_tcp": False, "data_port": 7601,
+                                     "connect_timeout_s": 2, "max_layer_bytes": 1 << 20, "key_file": "/k"}})
+    assert isinstance(cfg.transport, TransportConfig)
+    assert cfg.transport.curve and cfg.transport.data_port == 7601 and cfg.transport.max_layer_bytes == 1 << 20
+    assert load_config(cfg.to_args()) == cfg
+    defaults = load_config(None).transport
+    assert defaults == TransportConfig() and defaults.connect_timeout_s == 5.0
+    assert defaults.reservation_ttl == defaults.transfer_timeout_s  # unset: follows the transfer timeout
+    for bad, key in (({"curv": True}, "transport.curv"), ({"key": "x" * 32}, "transport.key"),
+                     ({"port": 70000}, "transport.port"), ({"backend": "rdma"}, "transport.backend")):
+        with pytest.raises(ConfigError, match=f"config error at {key}"):
+            load_config({"transport": bad})
+
+
+def test_transport_key_precedence(tmp_path, monkeypatch):
+    from cluster.app import transport_key
+
+    transport_file, secrets_file = tmp_path / "t", tmp_path / "s"
+    transport_file.write_text("from-transport-key-file\n")
+    secrets_file.write_text("from-secrets-key-file\n")
+    monkeypatch.setenv("PDC_TRANSPORT_KEY", "from-the-environment")
+    both = {"transport": {"key_file": str(transport_file)}, "secrets": {"transport_key_file": str(secrets_file)}}
+    assert transport_key(load_config(both)) == "from-transport-key-file"
+    assert transport_key(load_config({"secrets": both["secrets"]})) == "from-secrets-key-file"
+    assert transport_key(load_config(None)) == "from-the-environment"
+    monkeypatch.setenv("MY_KEY", "from-my-own-variable")
+    assert transport_key(load_config({"secrets": {"transport_key_env": "MY_KEY"}})) == "from-my-own-variable"
+    monkeypatch.delenv("PDC_TRANSPORT_KEY")
+    fresh = {transport_key(load_config(None)) for _ in range(2)}
+    assert len(fresh) == 2 and all(len(k) >= 16 for k in fresh)  # one fresh key per deployment
+
+
+def test_a_bad_transport_key_says_where_it_looked_not_what_it_is(tmp_path, monkeypatch):
+    from cluster.app import transport_key
+
+    monkeypatch.setenv("PDC_TRANSPORT_KEY", "short-env")
+    with pytest.raises(ConfigError, match=r"\$PDC_TRANSPORT_KEY is shorter than 16") as info:
+        transport_key(load_config(None))
+    assert "short-env" not in str(info.value) and "transport.key_file" in str(info.value)
+    short = tmp_path / "short"
+    short.write_text("tiny-key")
+    with pytest.raises(ConfigError, match=f"secrets.transport_key_file {short}") as info:
+        transport_key(load_config({"secrets": {"transport_key_file": str(short)}}))
+    assert "tiny-key" not in str(info.value)
+    with pytest.raises(ConfigError, match="cannot read transport.key_file"):
+        transport_key(load_config({"transport": {"key_file": str(tmp_path / "missing")}}))

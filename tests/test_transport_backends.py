@@ -16,7 +16,7 @@ from transport.config import TransportConfig
 from transport.factory import make_receiver, make_sender
 from transport.memory_target import MemoryTarget, make_layout, synthetic_layers
 
-KEY = "test-transport-key-0123456789abcdef"
+KEY = b"test-transport-key-0123456789abcdef"  # what the app builder would hand out
 LAYOUT = make_layout(num_layers=4, num_kv_heads=2, head_dim=16, block_size=16)
 TIMEOUT_S = 20.0
 
@@ -29,7 +29,6 @@ def config(backend: str, **kw) -> TransportConfig:
     kw.setdefault("transfer_timeout_s", TIMEOUT_S)
     kw.setdefault("reservation_ttl_s", TIMEOUT_S)
     kw.setdefault("connect_timeout_s", TIMEOUT_S)
-    kw.setdefault("key", KEY)
     return TransportConfig(backend=backend, host="127.0.0.1", **kw)
 
 
@@ -40,7 +39,7 @@ def send_transfers(backend: str, jobs: list[tuple[str, str, int, int]], results,
     jobs: (transfer_id, receiver address, num_blocks, seed); the first token is the seed.
     """
     torch.set_num_threads(1)
-    sender = make_sender(config(backend))
+    sender = make_sender(config(backend), KEY)
     sinks = [sender.open(tid, addr, LAYOUT) for tid, addr, _, _ in jobs]
     layers = [synthetic_layers(LAYOUT, n, seed) for _, _, n, seed in jobs]
     for layer_idx in range(LAYOUT.num_layers):
@@ -84,7 +83,7 @@ def test_concurrent_transfers_between_processes(backend):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     targets = [MemoryTarget(LAYOUT, 64) for _ in range(2)]
-    receivers = [make_receiver(config(backend), t) for t in targets]
+    receivers = [make_receiver(config(backend), t, KEY) for t in targets]
     jobs: list[list[tuple[str, str, int, int]]] = [[], []]
     reservations = {}
     for i in range(10):
@@ -132,8 +131,8 @@ def _send_one(tx, rx, target, layout, transfer_id, *, num_blocks, seed, first_to
 def test_bf16_layers_are_bit_identical():
     layout = make_layout(dtype="bfloat16")
     target = MemoryTarget(layout, 16)
-    rx = make_receiver(config("zmq"), target)
-    tx = make_sender(config("zmq"))
+    rx = make_receiver(config("zmq"), target, KEY)
+    tx = make_sender(config("zmq"), KEY)
     try:
         res, sink, layers = _send_one(tx, rx, target, layout, "bf16", num_blocks=3, seed=7,
                                       first_token_id=5)
@@ -146,8 +145,8 @@ def test_bf16_layers_are_bit_identical():
 
 def test_local_backend_in_process():
     target = MemoryTarget(LAYOUT, 32)
-    rx = make_receiver(config("local"), target)
-    tx = make_sender(config("local"))
+    rx = make_receiver(config("local"), target, KEY)
+    tx = make_sender(config("local"), KEY)
     try:
         res, sink, layers = _send_one(tx, rx, target, LAYOUT, "loc", num_blocks=4, seed=1,
                                       first_token_id=9)
@@ -167,7 +166,7 @@ def test_local_backend_in_process():
 
 def test_address_is_advertised_not_guessed():
     target = MemoryTarget(LAYOUT, 4)
-    rx = make_receiver(config("auto"), target)
+    rx = make_receiver(config("auto"), target, KEY)
     try:
         from transport.address import PeerAddress
 

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from tests.test_transport_backends import config, spawn
+from tests.test_transport_backends import KEY, config, spawn
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -73,7 +73,7 @@ def test_cuda_decode_engine_continues_token_identically(tiny_model_dir):
     proc = spawn(prefill_worker, str(tiny_model_dir), jobs, results, "cuda", "bfloat16")
     local, decode = (LLMEngine(str(tiny_model_dir), block_size=16, num_kv_blocks=64, device="cuda",
                                dtype="bfloat16") for _ in range(2))
-    rx = make_receiver(config("shm"), decode)
+    rx = make_receiver(config("shm"), decode, KEY)
     try:
         for n in range(3):  # the first goes through host slots, until the probe's answer
             fresh = [(t + n) % 250 for t in PROMPT]  # a reference run elsewhere: all of it moves

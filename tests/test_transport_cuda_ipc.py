@@ -74,7 +74,7 @@ class HostStandIn(IpcMemory):
 # -- the handle description -------------------------------------------------------------------
 
 def test_handle_round_trips_through_the_authenticated_header():
-    codec = WireCodec(KEY.encode())
+    codec = WireCodec(KEY)
     header = Header(LAYER, "t1", data_path=SHM, extra={**HANDLE.to_extra(), SEQ: 7})
     opened = codec.open(*codec.seal(header))
     assert IpcHandle.from_extra(opened.extra) == HANDLE
@@ -101,7 +101,7 @@ def test_missing_keys_are_refused():
 
 
 def test_an_oversized_handle_never_gets_past_the_header_parser():
-    codec = WireCodec(KEY.encode())
+    codec = WireCodec(KEY)
     header = Header(LAYER, "t1", data_path=SHM, extra={**HANDLE.to_extra(), "ipc": "ab" * 4096})
     with pytest.raises((TransferCorrupt, TransferRejected)):
         codec.open(*codec.seal(header))
@@ -260,14 +260,14 @@ def test_transfers_through_device_slots_over_real_sockets():
     registry: dict[bytes, torch.Tensor] = {}
     tx_memory, rx_memory = HostStandIn(registry), HostStandIn(registry)
     target = MemoryTarget(LAYOUT, 32)
-    rx = ZmqReceiver(config("shm"), target, [InlineRecvPath(), ShmRecvPath(rx_memory)])
+    rx = ZmqReceiver(config("shm"), target, KEY, [InlineRecvPath(), ShmRecvPath(rx_memory)])
     paths: list[ShmSendPath] = []
 
     def choose_path(peer) -> ShmSendPath:
         paths.append(ShmSendPath(1 << 20, tx_memory))
         return paths[-1]
 
-    tx = ZmqSender(config("shm"), choose_path)
+    tx = ZmqSender(config("shm"), KEY, choose_path)
     try:
         for i in range(4):
             tid = f"ipc-{i}"

@@ -8,7 +8,7 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from tests.test_transport_backends import config, spawn
+from tests.test_transport_backends import KEY, config, spawn
 from transport.factory import make_receiver
 from workers.engine import LLMEngine, SamplingParams
 
@@ -27,7 +27,7 @@ def prefill_worker(model_dir: str, jobs, results, device: str = "cpu", dtype: st
     senders = {}
     while (job := jobs.get(timeout=120)) is not None:
         backend, tid, address, prompt, params, seed, start_block = job
-        sender = senders.setdefault(backend, make_sender(config(backend)))
+        sender = senders.setdefault(backend, make_sender(config(backend), KEY))
         sink = sender.open(tid, address, engine.layout, start_block=start_block)
         engine.add_request(tid, prompt, params, kv_sink=sink, seed=seed)
         while engine.has_unfinished_requests():
@@ -68,7 +68,7 @@ def test_streamed_kv_decodes_token_identically(tiny_model_dir, backend, request)
     jobs, results = ctx.Queue(), ctx.Queue()
     proc = spawn(prefill_worker, str(tiny_model_dir), jobs, results)
     decode = LLMEngine(str(tiny_model_dir), block_size=16, num_kv_blocks=64, device="cpu")
-    receiver = make_receiver(config(backend), decode)
+    receiver = make_receiver(config(backend), decode, KEY)
     try:
         for params, seed in ((GREEDY, 0), (SAMPLED, 123)):
             expected = run_local(decode, PROMPT, params, seed)
@@ -90,7 +90,7 @@ def test_streamed_kv_decodes_token_identically(tiny_model_dir, backend, request)
 
 def test_failed_transfer_frees_engine_blocks(tiny_model_dir):
     decode = LLMEngine(str(tiny_model_dir), block_size=16, num_kv_blocks=64, device="cpu")
-    receiver = make_receiver(config("zmq"), decode)
+    receiver = make_receiver(config("zmq"), decode, KEY)
     try:
         free = decode.stats()["kv_blocks_free"]
         res = decode.reserve_kv("doomed", PROMPT)

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from tests.test_transport_backends import TIMEOUT_S, collect, config, spawn
+from tests.test_transport_backends import KEY, TIMEOUT_S, collect, config, spawn
 from transport.address import PeerAddress
 from transport.base import TransferError, TransferTimeout
 from transport.factory import make_receiver, make_sender
@@ -71,7 +71,7 @@ def export_and_send(backend: str, address: str, work: list[list[tuple[str, list[
     if premature_release:
         send_layer = channel.PeerChannel._send_layer
         channel.PeerChannel._send_layer = lambda *a, **k: (send_layer(*a, **k), lambda: True)[1]
-    cache, sender = source_cache(), make_sender(config(backend))
+    cache, sender = source_cache(), make_sender(config(backend), KEY)
     for batch_idx, batch in enumerate(work):
         sinks = [sender.open(tid, address, BIG) for tid, _ in batch]
         for sink, (_, block_ids) in zip(sinks, batch, strict=True):
@@ -90,7 +90,7 @@ def run_transfers(backend: str, premature_release: bool = False) -> tuple[dict, 
     transfer (sender's outcome, receiver's outcome), plus the pool's stats per batch."""
     work = batches(backend)
     target = MemoryTarget(BIG, sum(len(ids) for batch in work for _, ids in batch))
-    rx = make_receiver(config(backend), target)
+    rx = make_receiver(config(backend), target, KEY)
     results = mp.get_context("spawn").Queue()
     try:
         reservations = {tid: target.reserve(tid, len(ids)) for batch in work for tid, ids in batch}
@@ -144,8 +144,8 @@ def test_no_buffer_stays_lent_after_failed_or_cancelled_transfers():
     its buffers back in the pool, and the pool within its bound. The last one's buffers
     stay out while libzmq still holds their frames, until the sender closes its socket."""
     cache, target = source_cache(), MemoryTarget(BIG, 256)
-    rx = make_receiver(config("zmq-inline", reservation_ttl_s=5), target)
-    tx = make_sender(config("zmq-inline", transfer_timeout_s=1.5))
+    rx = make_receiver(config("zmq-inline", reservation_ttl_s=5), target, KEY)
+    tx = make_sender(config("zmq-inline", transfer_timeout_s=1.5), KEY)
     block_ids = list(range(40))
     try:
         refused = tx.open("never-expected", rx.address, BIG)

@@ -52,12 +52,12 @@ class _CorruptingTcpPath(TcpSendPath):
 @pytest.mark.parametrize("backend, path", [
     ("zmq-inline", lambda addr: _CorruptingPath()),
     ("shm", lambda addr: _CorruptingShmPath(1 << 24)),
-    ("zmq", lambda addr: _CorruptingTcpPath(addr, KEY.encode(), 10, 10)),
+    ("zmq", lambda addr: _CorruptingTcpPath(addr, KEY, 10, 10)),
 ], ids=["inline", "shm", "tcp"])
 def test_corrupt_frame_is_detected(backend, path):
     target = MemoryTarget(LAYOUT, 32)
-    rx = make_receiver(config(backend, reservation_ttl_s=SHORT_S), target)
-    tx = ZmqSender(config(backend), path)
+    rx = make_receiver(config(backend, reservation_ttl_s=SHORT_S), target, KEY)
+    tx = ZmqSender(config(backend), KEY, path)
     res = target.reserve("corrupt", 2)
     rx.expect("corrupt", res)
     sink = tx.open("corrupt", rx.address, LAYOUT)
@@ -80,8 +80,8 @@ def test_the_checksum_made_at_export_is_the_one_the_receiver_checks(backend):
     once on both sides, and the pair stays in step for the next transfer (on the
     process-group path the receiver drains the refused transfer's later layers)."""
     target = MemoryTarget(LAYOUT, 32)
-    rx = make_receiver(config(backend, reservation_ttl_s=SHORT_S), target)
-    tx = make_sender(config(backend))
+    rx = make_receiver(config(backend, reservation_ttl_s=SHORT_S), target, KEY)
+    tx = make_sender(config(backend), KEY)
     try:
         for name, tamper in (("right", 0), ("wrong", 1), ("after", 0)):
             layers = synthetic_layers(LAYOUT, 2, 5)
@@ -115,8 +115,8 @@ def test_a_transfer_cancelled_mid_stream_does_not_stall_the_pair():
     over the process group: the receiver drains them, the sender hears at once, and the
     next transfer to that peer goes through on the same group."""
     target = MemoryTarget(LAYOUT, 32)
-    rx = make_receiver(config("nccl", reservation_ttl_s=SHORT_S), target)
-    tx = make_sender(config("nccl"))
+    rx = make_receiver(config("nccl", reservation_ttl_s=SHORT_S), target, KEY)
+    tx = make_sender(config("nccl"), KEY)
     try:
         layers = synthetic_layers(LAYOUT, 2, 6)
         res = target.reserve("gone", 2)
@@ -162,8 +162,8 @@ def test_a_layer_sent_as_many_frames_arrives_bit_identical(monkeypatch, frame_by
 
     monkeypatch.setattr(inline_path, "INLINE_FRAME_BYTES", frame_bytes)
     target = MemoryTarget(LAYOUT, 32)
-    rx = make_receiver(config("zmq", reservation_ttl_s=SHORT_S), target)
-    tx = make_sender(config("zmq"))
+    rx = make_receiver(config("zmq", reservation_ttl_s=SHORT_S), target, KEY)
+    tx = make_sender(config("zmq"), KEY)
     try:
         layers = synthetic_layers(LAYOUT, 3, 11)
         assert layers[0].numel() * layers[0].element_size() > 2 * frame_bytes
@@ -186,8 +186,8 @@ def test_a_layer_sent_as_many_frames_arrives_bit_identical(monkeypatch, frame_by
             return [frames[0], bytes(flipped), *frames[2:]]
 
     target = MemoryTarget(LAYOUT, 32)
-    rx = make_receiver(config("zmq", reservation_ttl_s=SHORT_S), target)
-    tx = ZmqSender(config("zmq"), lambda addr: _FlipInFrame())
+    rx = make_receiver(config("zmq", reservation_ttl_s=SHORT_S), target, KEY)
+    tx = ZmqSender(config("zmq"), KEY, lambda addr: _FlipInFrame())
     try:
         res = target.reserve("framed-bad", 2)
         rx.expect("framed-bad", res)

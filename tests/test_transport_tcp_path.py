@@ -30,14 +30,14 @@ class RawPeer:
 
     def __init__(self, address: str) -> None:
         self.addr = PeerAddress.parse(address)
-        self.codec = WireCodec(KEY.encode())
+        self.codec = WireCodec(KEY)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(self.addr.endpoint)
         token = new_token()
         self.data = socket.create_connection((self.addr.host, self.addr.data_port), timeout=5)
-        self.data.sendall(preamble(KEY.encode(), token))
+        self.data.sendall(preamble(KEY, token))
         self.send(Header(HELLO, "", data_path=TCP, extra={"token": token.hex()}))
 
     def send(self, header: Header) -> None:
@@ -84,7 +84,7 @@ def wait_until_reading(rx) -> None:
 @pytest.fixture
 def tcp_receiver():
     target = MemoryTarget(LAYOUT, 32)
-    rx = make_receiver(config("zmq", reservation_ttl_s=3, connect_timeout_s=1.5), target)
+    rx = make_receiver(config("zmq", reservation_ttl_s=3, connect_timeout_s=1.5), target, KEY)
     assert PeerAddress.parse(rx.address).data_paths == ("inline", "tcp")
     yield rx, target
     rx.close()
@@ -98,7 +98,7 @@ def test_layers_land_straight_in_scattered_blocks(tcp_receiver):
     res = target.reserve("scattered", 24)  # blocks 10..31 then 0..1: two runs per half
     assert res.block_ids[-2:] == [0, 1]
     rx.expect("scattered", res)
-    tx = make_sender(config("zmq"))
+    tx = make_sender(config("zmq"), KEY)
     layers = synthetic_layers(LAYOUT, 24, 5)
     send_all(tx.open("scattered", rx.address, LAYOUT), layers, 9)
     assert rx.wait("scattered", 10) == 9
@@ -125,7 +125,7 @@ def test_data_connections_without_the_key_are_refused_and_counted(tcp_receiver):
 
 def test_a_refused_layer_is_drained_and_the_pair_stays_in_step(tcp_receiver):
     rx, target = tcp_receiver
-    tx = make_sender(config("zmq"))
+    tx = make_sender(config("zmq"), KEY)
     refused = tx.open("never-expected", rx.address, LAYOUT)
     send_all(refused, synthetic_layers(LAYOUT, 8, 1))
     with pytest.raises(Exception, match="not expected"):
@@ -204,7 +204,7 @@ def test_a_wrong_checksum_fails_one_transfer_and_the_stream_stays_usable(tcp_rec
 
 
 def test_curve_receivers_do_not_offer_the_unencrypted_path():
-    rx = make_receiver(config("zmq", curve=True), MemoryTarget(LAYOUT, 4))
+    rx = make_receiver(config("zmq", curve=True), MemoryTarget(LAYOUT, 4), KEY)
     try:
         addr = PeerAddress.parse(rx.address)
         assert addr.data_paths == ("inline",) and addr.data_port == 0
@@ -232,7 +232,7 @@ def test_senders_that_went_away_leave_no_connection_or_thread_behind(tcp_receive
     data connections and worker threads of senders whose end has closed."""
     rx, target = tcp_receiver
     for i in range(4):
-        tx = make_sender(config("zmq"))
+        tx = make_sender(config("zmq"), KEY)
         res = target.reserve(f"churn-{i}", 2)
         rx.expect(f"churn-{i}", res)
         send_all(tx.open(f"churn-{i}", rx.address, LAYOUT), synthetic_layers(LAYOUT, 2, i), i)
@@ -250,7 +250,7 @@ def test_a_new_sender_leaves_live_idle_senders_connected(tcp_receiver):
     """Retiring gone senders must not touch live ones that are merely quiet: the first
     sender's next transfer still goes over its first connection."""
     rx, target = tcp_receiver
-    first, second = make_sender(config("zmq")), make_sender(config("zmq"))
+    first, second = make_sender(config("zmq"), KEY), make_sender(config("zmq"), KEY)
     try:
         for i, tx in enumerate((first, second, first)):
             tid = f"quiet-{i}"

@@ -31,9 +31,10 @@ def workers(ray_cluster, tiny_model_dir):
         "prefill": {"num_cpus": 0.5}, "decode": {"num_cpus": 0.5},
         "transport": {"backend": "zmq", "host": "127.0.0.1"},
     }
+    key = "workers-test-transport-key-0123456789"  # what cluster.app.build_app hands out
     cp = ControlPlane.bind({}, 3.0)
-    prefill = PrefillDeployment.options(ray_actor_options={"num_cpus": 0.5}).bind(config, cp)
-    decode = DecodeDeployment.options(ray_actor_options={"num_cpus": 0.5}).bind(config, prefill, cp)
+    prefill = PrefillDeployment.options(ray_actor_options={"num_cpus": 0.5}).bind(config, cp, key)
+    decode = DecodeDeployment.options(ray_actor_options={"num_cpus": 0.5}).bind(config, prefill, cp, key)
     handle = serve.run(decode, name=APP, route_prefix=None)
     control = serve.get_deployment_handle("ControlPlane", APP)
     prefill_id = _wait_for_prefill(control)

@@ -1,73 +1,73 @@
-"""`TransportConfig`: what users write in the cluster config's `transport:` section."""
+"""`TransportConfig`: the cluster config's `transport:` section, and what every backend is
+built from (transport/factory.py).
+
+This module imports nothing heavy (no torch): `cluster/config.py`, the pure schema, imports
+it. The shared key is not part of it: a secret does not belong in a file users write and
+pass around. The app builder resolves the key once (`cluster.app.transport_key`) and every
+sender and receiver takes it as a value.
+"""
 
 from __future__ import annotations
 
-import os
 import secrets
-from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-from transport.transfers import Bounds
-from transport.wire import WireLimits
+if TYPE_CHECKING:
+    from transport.transfers import Bounds
+    from transport.wire import WireLimits
 
-KEY_ENV = "PDC_TRANSPORT_KEY"
 Backend = Literal["zmq", "nccl", "shm", "local", "auto"]
 
 
 class TransportConfig(BaseModel):
+    """Every option of the KV transport, with its default; docs/transport.md lists them."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    # zmq: ZMQ control, payloads over TCP; shm: same-node shared memory, else as zmq;
+    # nccl: a process group per pair (Gloo on CPU); auto: shm on one node, nccl with CUDA,
+    # else zmq; local: in-process (colocated use, tests). Table in transport/factory.py.
     backend: Backend = "auto"
     # Bind address. None: this node's reachable IP (Ray's node IP or the default route's
     # source), which is also what is advertised. "0.0.0.0" binds everywhere and still
-    # advertises the reachable IP. Tests use "127.0.0.1".
+    # advertises the reachable IP. Never a hard-coded localhost; tests use "127.0.0.1".
     host: str | None = None
-    port: int = Field(0, ge=0, le=65535)  # 0 = any free port; the real one is advertised
-    node_id: str | None = None  # None: derived from hostname + kernel boot id
-    connect_timeout_s: float = Field(10.0, gt=0)
+    port: int = Field(0, ge=0, le=65535)  # ZMQ control; 0 = a free port, the real one is advertised
+    # zmq/shm/auto: move payloads between nodes over a per-pair TCP stream read straight into
+    # the KV blocks (the `tcp` data path) rather than in ZMQ frames. Off with `curve` (its
+    # payload is not encrypted). `data_port`: its listening port on `host`, 0 = a free one.
+    direct_tcp: bool = True
+    data_port: int = Field(0, ge=0, le=65535)
+    curve: bool = False  # CurveZMQ encryption of the control plane and inline payloads
+    connect_timeout_s: float = Field(5.0, gt=0)  # connect, handshake, a silent data stream
     transfer_timeout_s: float = Field(30.0, gt=0)  # sender: open -> receiver's ack
-    reservation_ttl_s: float = Field(30.0, gt=0)  # receiver: expect -> complete
+    reservation_ttl_s: float | None = Field(None, gt=0)  # receiver: expect -> complete; None: transfer_timeout_s
     max_layer_bytes: int = Field(1 << 30, gt=0)
     max_blocks_per_transfer: int = Field(1 << 16, gt=0)
     max_header_bytes: int = Field(16 << 10, ge=1024)
     shm_pool_bytes: int = Field(4 << 30, gt=0)  # per peer, same-node slots in flight
-    # Shared key for header MACs: `key`, else `key_file`, else $PDC_TRANSPORT_KEY.
-    key: SecretStr | None = None
-    key_file: Path | None = None
-    curve: bool = False  # CurveZMQ encryption of the control plane and inline payloads
-    # zmq/shm/auto: move payloads between nodes over a per-pair TCP stream read straight into
-    # the KV blocks (the `tcp` data path) rather than in ZMQ frames. Off with `curve` (its
-    # payload is not encrypted). `data_port`: its listening port on `host`, 0 = any free one.
-    direct_tcp: bool = True
-    data_port: int = Field(0, ge=0, le=65535)
+    # A file holding the shared key (first in the order `cluster.app.transport_key` reads).
+    key_file: str | None = None
+    # Which processes count as one node for shared memory. None: hostname + kernel boot id;
+    # a worker sets Ray's node id (workers/kv_transport.py).
+    node_id: str | None = None
 
-    @model_validator(mode="after")
-    def _check_key_source(self) -> TransportConfig:
-        if self.key_file is not None and not self.key_file.is_file():
-            raise ValueError(f"transport.key_file: {self.key_file} is not a readable file")
-        return self
-
-    def resolve_key(self) -> bytes:
-        """The MAC key; raises with the places it looked (never with the key itself)."""
-        if self.key is not None:
-            value = self.key.get_secret_value()
-        elif self.key_file is not None:
-            value = self.key_file.read_text().strip()
-        else:
-            value = os.environ.get(KEY_ENV, "")
-        if len(value) < 16:
-            raise ValueError(f"transport key missing or shorter than 16 characters: set "
-                             f"transport.key, transport.key_file or ${KEY_ENV}")
-        return value.encode()
+    @property
+    def reservation_ttl(self) -> float:
+        return self.reservation_ttl_s or self.transfer_timeout_s
 
     @property
     def bounds(self) -> Bounds:
+        from transport.transfers import Bounds
+
         return Bounds(self.max_layer_bytes, self.max_blocks_per_transfer)
 
     @property
     def wire_limits(self) -> WireLimits:
+        from transport.wire import WireLimits
+
         return WireLimits(max_header_bytes=self.max_header_bytes)
 
 

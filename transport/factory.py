@@ -41,9 +41,10 @@ def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def make_receiver(config: TransportConfig, target: KVTarget,
+def make_receiver(config: TransportConfig, target: KVTarget, key: bytes,
                   metrics: TransportMetrics | None = None) -> KVReceiver:
-    """The decode side's receiver, bound and serving; `.address` is what to advertise."""
+    """The decode side's receiver, bound and serving; `.address` is what to advertise.
+    `key`: the shared key every header and data connection is authenticated with."""
     if config.backend == "local":
         return LocalReceiver(config, target, metrics)
     metrics = metrics or TransportMetrics()
@@ -55,20 +56,20 @@ def make_receiver(config: TransportConfig, target: KVTarget,
             paths.append(PgRecvPath(config.connect_timeout_s, _device()))
         elif name == TCP and _direct_tcp(config):
             paths.append(TcpRecvPath(config.host or reachable_host(None), config.data_port,
-                                     config.resolve_key(), config.connect_timeout_s,
+                                     key, config.connect_timeout_s,
                                      metrics.rejected))
-    receiver = ZmqReceiver(config, target, paths, metrics)
+    receiver = ZmqReceiver(config, target, key, paths, metrics)
     receiver.backend = config.backend
     return receiver
 
 
-def make_sender(config: TransportConfig, metrics: TransportMetrics | None = None) -> KVSender:
+def make_sender(config: TransportConfig, key: bytes, metrics: TransportMetrics | None = None) -> KVSender:
     """The prefill side's sender; one per process, shared by all requests."""
     if config.backend == "local":
         return LocalSender(config)
     node_id = config.node_id or default_node_id()
     host = reachable_host(config.host)
-    backend, device, key = config.backend, _device(), config.resolve_key()
+    backend, device = config.backend, _device()
 
     def choose_path(peer: PeerAddress) -> SendPath:
         same_node = peer.node_id == node_id and shm_available()
@@ -81,7 +82,7 @@ def make_sender(config: TransportConfig, metrics: TransportMetrics | None = None
             return TcpSendPath(peer, key, config.connect_timeout_s, config.transfer_timeout_s)
         return InlineSendPath()
 
-    sender = ZmqSender(config, choose_path, metrics)
+    sender = ZmqSender(config, key, choose_path, metrics)
     sender.backend = backend
     return sender
 

@@ -39,7 +39,7 @@ class LocalReceiver(TableReceiver):
     def __init__(self, config: TransportConfig, target: KVTarget,
                  metrics: TransportMetrics | None = None) -> None:
         self.metrics = metrics or TransportMetrics()
-        self.table = TransferTable(target, config.bounds, self.metrics, config.reservation_ttl_s)
+        self.table = TransferTable(target, config.bounds, self.metrics, config.reservation_ttl)
         self._name = f"r{next(_NAMES)}"
         self._inbox: queue.SimpleQueue[tuple[LocalSink, Header, torch.Tensor | None] | None] = \
             queue.SimpleQueue()

@@ -43,14 +43,14 @@ _NON_FATAL = frozenset(("replay", "peer_mismatch", "unknown", "late"))
 class ZmqReceiver(TableReceiver):
     backend = "zmq"
 
-    def __init__(self, config: TransportConfig, target: KVTarget,
+    def __init__(self, config: TransportConfig, target: KVTarget, key: bytes,
                  recv_paths: list[RecvPath] | None = None,
                  metrics: TransportMetrics | None = None) -> None:
         self.config = config
         self.metrics = metrics or TransportMetrics()
-        self.codec = WireCodec(config.resolve_key(), config.wire_limits)
+        self.codec = WireCodec(key, config.wire_limits)
         keep_freed_memory_warm()  # each received layer is a multi-MiB allocation
-        self.table = TransferTable(target, config.bounds, self.metrics, config.reservation_ttl_s)
+        self.table = TransferTable(target, config.bounds, self.metrics, config.reservation_ttl)
         self._paths = {p.name: p for p in (recv_paths or [InlineRecvPath()])}
         self._ctx = zmq.Context(io_threads=1)
         self._sock = self._bind()

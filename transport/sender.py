@@ -28,12 +28,12 @@ class ZmqSender(KVSender):
 
     backend = "zmq"
 
-    def __init__(self, config: TransportConfig,
+    def __init__(self, config: TransportConfig, key: bytes,
                  choose_path: Callable[[PeerAddress], SendPath] | None = None,
                  metrics: TransportMetrics | None = None) -> None:
         self.config = config
         self.metrics = metrics or TransportMetrics()
-        self.codec = WireCodec(config.resolve_key(), config.wire_limits)
+        self.codec = WireCodec(key, config.wire_limits)
         self._choose_path = choose_path or (lambda addr: InlineSendPath())
         # Host buffers the engine exports layers into, reused once a send is done with one.
         self.export_pool = ExportPool()

@@ -50,7 +50,7 @@ class EngineWorker:
             return None
         from workers.kv_transport import stream_codec, stream_host
 
-        return StreamServer(self.stream_methods(), stream_codec(self.config, transport_key),
+        return StreamServer(self.stream_methods(), stream_codec(transport_key),
                             stream_host(self.config)).start()
 
     def stream_methods(self) -> dict:

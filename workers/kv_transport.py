@@ -1,40 +1,34 @@
-"""Builds a worker's KV sender or receiver from the cluster config (the one place that
-knows both `cluster.config.TransportSettings` and `transport.factory`)."""
+"""A worker's KV sender or receiver, and its worker-stream codec, from the cluster config
+and the transport key the app builder handed it (`cluster.app.transport_key`)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from cluster.config import ClusterConfig
+from transport.config import TransportConfig
+from workers.stream.wire import StreamCodec
+
+if TYPE_CHECKING:
+    from transport.base import KVReceiver, KVSender
+    from workers.engine.kv_types import KVTarget
 
 
-def transport_config(config: ClusterConfig, key: str | None):
-    from transport.config import TransportConfig
+def make_receiver(config: ClusterConfig, target: KVTarget, key: str | None) -> KVReceiver:
+    from transport.factory import make_receiver as build
 
-    t = config.transport
-    key = key or config.secrets.transport_key()
-    fields = dict(backend=t.backend, host=t.host, port=t.port, direct_tcp=t.direct_tcp,
-                  data_port=t.data_port, connect_timeout_s=t.connect_timeout_s,
-                  transfer_timeout_s=t.transfer_timeout_s, reservation_ttl_s=t.transfer_timeout_s,
-                  node_id=_ray_node_id())
-    if t.key_file and not key:
-        fields["key_file"] = t.key_file
-    elif key:
-        fields["key"] = key
-    return TransportConfig(**fields)
+    return build(_on_this_node(config), target, _required(key))
 
 
-def make_receiver(config: ClusterConfig, target, key: str | None):
-    try:
-        from transport.factory import make_receiver as build
-    except ImportError:  # before the factory existed: the zmq backend
-        from transport.receiver import ZmqReceiver as build
-    return build(transport_config(config, key), target)
+def make_sender(config: ClusterConfig, key: str | None) -> KVSender:
+    from transport.factory import make_sender as build
+
+    return build(_on_this_node(config), _required(key))
 
 
-def stream_codec(config: ClusterConfig, key: str | None):
+def stream_codec(key: str | None) -> StreamCodec:
     """The worker stream's codec (workers/stream/wire.py), keyed like the KV transport."""
-    from workers.stream.wire import StreamCodec
-
-    return StreamCodec(transport_config(config, key).resolve_key())
+    return StreamCodec(_required(key))
 
 
 def stream_host(config: ClusterConfig) -> str:
@@ -44,17 +38,20 @@ def stream_host(config: ClusterConfig) -> str:
     return reachable_host(config.transport.host)
 
 
-def make_sender(config: ClusterConfig, key: str | None):
-    try:
-        from transport.factory import make_sender as build
-    except ImportError:
-        from transport.receiver import ZmqSender as build
-    return build(transport_config(config, key))
+def _required(key: str | None) -> bytes:
+    if not key:
+        raise ValueError("no transport key: cluster.app.build_app hands one to every replica")
+    return key.encode()
+
+
+def _on_this_node(config: ClusterConfig) -> TransportConfig:
+    """The transport section with Ray's node id as the node identity (unless the config
+    names one): shared memory only between replicas of one Ray node (several raylets on
+    one machine, as in multi-node tests, use TCP)."""
+    return config.transport.model_copy(update={"node_id": config.transport.node_id or _ray_node_id()})
 
 
 def _ray_node_id() -> str | None:
-    """Ray's node id as the transport's node identity: shared memory only between replicas
-    of one Ray node (several raylets on one machine, as in multi-node tests, use TCP)."""
     try:
         import ray
 

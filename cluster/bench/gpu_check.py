@@ -23,10 +23,10 @@ import torch
 LAYERS, BLOCKS, TIMEOUT_S = 4, 8, 60.0
 
 
-def _config(key: str):
+def _config():
     from transport.config import TransportConfig
 
-    return TransportConfig(backend="shm", host="127.0.0.1", key=key, transfer_timeout_s=TIMEOUT_S,
+    return TransportConfig(backend="shm", host="127.0.0.1", transfer_timeout_s=TIMEOUT_S,
                            reservation_ttl_s=TIMEOUT_S, connect_timeout_s=TIMEOUT_S)
 
 
@@ -55,7 +55,7 @@ def _send(key: str, jobs: list[tuple[str, str, int]], device: str, results) -> N
     from transport.factory import make_sender
     from transport.memory_target import synthetic_layers
 
-    sender, layout = make_sender(_config(key)), _layout()
+    sender, layout = make_sender(_config(), key.encode()), _layout()
     try:
         for tid, address, seed in jobs:
             sink = sender.open(tid, address, layout)
@@ -79,7 +79,7 @@ def check_ipc_transfer(device: str = "cuda") -> dict:
     key, layout = generate_key(), _layout()
     target = MemoryTarget(layout, 4 * BLOCKS)
     target.layers = [layer.to(device) for layer in target.layers]
-    receiver = make_receiver(_config(key), target)
+    receiver = make_receiver(_config(), target, key.encode())
     jobs = [(f"gpu-check-{i}", receiver.address, i) for i in range(3)]
     reservations = {tid: target.reserve(tid, BLOCKS) for tid, _, _ in jobs}
     for tid, res in reservations.items():

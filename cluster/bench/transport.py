@@ -44,7 +44,7 @@ from workers.engine.kv_types import KVLayout
 
 MIB = 1 << 20
 NUM_LAYERS = 8
-BENCH_KEY = "pdc-bench-transport-key-not-secret"
+BENCH_KEY = b"pdc-bench-transport-key-not-secret"
 
 
 def bench_layout(dtype: str = "float32") -> KVLayout:
@@ -70,7 +70,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
 
 def _config(variant: str) -> TransportConfig:
     backend, options = VARIANTS[variant]
-    return TransportConfig(backend=backend, host="127.0.0.1", key=BENCH_KEY,
+    return TransportConfig(backend=backend, host="127.0.0.1",
                            transfer_timeout_s=120, reservation_ttl_s=120, connect_timeout_s=60,
                            **options)
 
@@ -88,7 +88,7 @@ def _receiver_main(conn, layout_fields: tuple, num_blocks: int) -> None:
         cmd, *args = msg
         if cmd == "start":
             (variant,) = args
-            receivers[variant] = make_receiver(_config(variant), target)
+            receivers[variant] = make_receiver(_config(variant), target, BENCH_KEY)
             conn.send(receivers[variant].address)
         elif cmd == "expect":
             variant, tid, n = args
@@ -130,7 +130,7 @@ def transport_timer(rx: ReceiverProcess, variant: str, layout: KVLayout,
     from transport.factory import make_sender
 
     address = rx.call("start", variant)
-    sender = make_sender(_config(variant))
+    sender = make_sender(_config(variant), BENCH_KEY)
     num_blocks = layers[0][0].shape[1]
     try:
         for i in itertools.count():
@@ -338,7 +338,7 @@ def _measure_overlap(prompt_len: int, backend: str, preset: str) -> dict:
     layout = engine.layout
     num_blocks = -(-prompt_len // layout.block_size)
     rx = ReceiverProcess(layout, num_blocks * 4)
-    sender = make_sender(_config(backend))
+    sender = make_sender(_config(backend), BENCH_KEY)
     try:
         address = rx.call("start", backend)
         prompt = [(31 * i + 7) % 250 for i in range(prompt_len)]

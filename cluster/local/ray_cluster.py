@@ -44,8 +44,9 @@ class LocalCluster:
 
         from transport.config import generate_key
 
-        # One key for this session's apps, known to this process too: the benchmarks
-        # call a replica's worker stream directly (cluster/bench/router_overhead.py).
+        # One transport key for this session's apps (`build_app`, run in this process, reads
+        # it), known here too: the benchmarks call a replica's worker stream directly
+        # (cluster/bench/router_overhead.py).
         os.environ.setdefault("PDC_TRANSPORT_KEY", generate_key())
         if ray.is_initialized():
             self.log("joining the Ray instance this process already runs")

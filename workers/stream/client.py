@@ -232,10 +232,10 @@ def _quiet(future) -> None:
 
 def worker_streams(config, transport_key: str | None) -> WorkerStreams | None:
     """Streams to the workers (the router's, or a decode replica's to prefill replicas),
-    keyed like the KV transport; None when the config sends calls through Serve handles
-    (`router.worker_stream: false`)."""
+    sealed with the transport key the app builder handed out; None when the config sends
+    calls through Serve handles (`router.worker_stream: false`)."""
     if not config.router.worker_stream:
         return None
     from workers.kv_transport import stream_codec
 
-    return WorkerStreams(stream_codec(config, transport_key))
+    return WorkerStreams(stream_codec(transport_key))
