@@ -249,7 +249,7 @@ class ClusterConfig(_Strict):
     workloads: dict[str, WorkloadProfile] = Field(default_factory=_default_workloads)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     secrets: SecretsConfig = Field(default_factory=SecretsConfig)
-    admission: AdmissionSettings = Field(default_factory=AdmissionSettings)  # reliability (issue 6)
+    admission: AdmissionSettings = Field(default_factory=AdmissionSettings)  # router queue bounds
     tls: TLSSettings = Field(default_factory=TLSSettings)
     faults: FaultSettings = Field(default_factory=FaultSettings)  # test-only; off unless enabled
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
