@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.engine_support import make_engine_fixture  # noqa: F401
-from workers.engine.kv_types import StepRecord
-from workers.engine.step_cost import MIN_PREFILL_TOKENS, StepCostModel
+from workers.engine.step_cost import MIN_PREFILL_TOKENS, StepCostModel, StepRecord
 
 
 def record(step_s: float, prefill_tokens: int, decode_seqs: int) -> StepRecord:

@@ -14,6 +14,9 @@ The flow the cluster runs:
     D: first_token_id = await receiver.wait_async(transfer_id)   # or raises TransferError
     D: engine.commit_kv(res, ...)                        # on success; on error the receiver
                                                          # has already cancelled `res`
+
+The engine's side of the seam (`KVSink`, `KVTarget`, the payload types) is in
+`workers/engine/kv_types.py`.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import asyncio
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import ClassVar, Protocol
+from typing import ClassVar
 
 import torch
 import xxhash
@@ -97,33 +100,14 @@ def error_from_wire(kind: str, message: str, reason: str, transfer_id: str) -> T
     return ERROR_KINDS.get(kind, TransferError)(message, reason, transfer_id)
 
 
-class KVTarget(Protocol):
-    """What a receiver writes into: the decode engine (`LLMEngine`) or a test double.
-
-    `write_kv_layer` copies `kv` (shape `layout.layer_shape(res.num_blocks_to_receive)`)
-    into the reserved blocks `[num_cached_blocks:]`, feeding `digest` (if given) every
-    byte of `kv` in order, so the receiver verifies the payload's checksum in the same
-    pass (`copy_into_blocks`); it is called from transport threads and must be
-    thread-safe with the engine's step. `cancel_kv` frees the reservation.
-    """
-
-    @property
-    def layout(self) -> KVLayout: ...
-
-    def write_kv_layer(self, res: KVReservation, layer_idx: int, kv: torch.Tensor,
-                       digest: ByteDigest | None = None) -> None: ...
-
-    def cancel_kv(self, res: KVReservation) -> None: ...
-
-
 class KVReceiver(ABC):
     """Decode side. Accepts only transfers announced with `expect`, from authenticated peers.
 
     Contract:
     - `expect` registers a reservation; if the transfer is not complete within `timeout`
       (default: the configured reservation TTL) it fails with `TransferTimeout`.
-    - Whenever a transfer fails for any reason the receiver calls `target.cancel_kv(res)`
-      exactly once, before `wait` raises; the caller must not cancel it again.
+    - Whenever a transfer fails for any reason the receiver calls `cancel_kv(res)` on its
+      `KVTarget` exactly once, before `wait` raises; the caller must not cancel it again.
     - When `wait` returns the first token id, every layer has been written, and the caller
       owns the reservation (commit it, or cancel it through the engine).
     - Bad messages are rejected and counted in `metrics`; they never stop the receiver.

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from transport.address import PeerAddress, default_node_id, reachable_host
-from transport.base import KVReceiver, KVSender, KVTarget
+from transport.base import KVReceiver, KVSender
 from transport.config import TransportConfig
 from transport.local import LocalReceiver, LocalSender
 from transport.metrics import TransportMetrics
@@ -33,6 +33,7 @@ from transport.paths.tcp import TcpRecvPath, TcpSendPath
 from transport.receiver import ZmqReceiver
 from transport.sender import ZmqSender
 from transport.wire import PG, SHM, TCP
+from workers.engine.kv_types import KVTarget
 
 _RECV_PATHS = {"zmq": (TCP,), "shm": (SHM, TCP), "nccl": (PG,), "auto": (SHM, PG, TCP)}
 

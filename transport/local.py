@@ -17,7 +17,6 @@ import torch
 
 from transport.base import (
     KVSender,
-    KVTarget,
     PeerGone,
     SenderSink,
     TransferAborted,
@@ -27,7 +26,7 @@ from transport.config import TransportConfig
 from transport.metrics import TransportMetrics
 from transport.transfers import TableReceiver, TransferTable
 from transport.wire import DONE, INLINE, LAYER, Header
-from workers.engine.kv_types import KVLayout
+from workers.engine.kv_types import KVLayout, KVTarget
 
 _RECEIVERS: weakref.WeakValueDictionary[str, LocalReceiver] = weakref.WeakValueDictionary()
 _NAMES = itertools.count()

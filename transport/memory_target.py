@@ -11,7 +11,14 @@ import threading
 import torch
 
 from workers.engine.kv_cache import copy_into_blocks, tensor_bytes
-from workers.engine.kv_types import ByteDigest, FramedKV, KVLayout, KVReservation, StreamedKV
+from workers.engine.kv_types import (
+    ByteDigest,
+    FramedKV,
+    KVLayout,
+    KVPayload,
+    KVReservation,
+    StreamedKV,
+)
 
 
 def make_layout(num_layers: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
@@ -55,7 +62,7 @@ class MemoryTarget:
             self.reservations[transfer_id] = res
             return res
 
-    def write_kv_layer(self, res: KVReservation, layer_idx: int, kv: torch.Tensor,
+    def write_kv_layer(self, res: KVReservation, layer_idx: int, kv: KVPayload,
                        digest: ByteDigest | None = None) -> None:
         if res.transfer_id not in self.reservations:
             raise KeyError(f"transfer {res.transfer_id!r} is not reserved")

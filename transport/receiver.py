@@ -17,7 +17,6 @@ import zmq
 
 from transport.address import PeerAddress, default_node_id, reachable_host
 from transport.base import (
-    KVTarget,
     TransferAborted,
     TransferCorrupt,
     TransferError,
@@ -31,7 +30,7 @@ from transport.paths.inline import InlineRecvPath
 from transport.transfers import TableReceiver, TransferTable
 from transport.warm_memory import keep_freed_memory_warm
 from transport.wire import ABORT, ACK, DONE, HELLO, LAYER, NACK, Header, WireCodec
-from workers.engine.kv_types import KVReservation
+from workers.engine.kv_types import KVReservation, KVTarget
 
 log = logging.getLogger(__name__)
 

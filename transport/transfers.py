@@ -14,11 +14,8 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-import torch
-
 from transport.base import (
     KVReceiver,
-    KVTarget,
     TransferAborted,
     TransferCorrupt,
     TransferError,
@@ -28,7 +25,14 @@ from transport.base import (
 )
 from transport.metrics import TransportMetrics
 from transport.wire import Header
-from workers.engine.kv_types import FramedKV, KVLayout, KVReservation, StreamedKV
+from workers.engine.kv_types import (
+    FramedKV,
+    KVLayout,
+    KVPayload,
+    KVReservation,
+    KVTarget,
+    StreamedKV,
+)
 
 MAX_FINISHED = 8192  # ids remembered to reject replays and answer late `wait`s
 
@@ -167,7 +171,7 @@ class TransferTable:
             raise reject(f"shape {header.shape} != expected {list(shape)}", "bounds")
         return shape
 
-    def write(self, t: Transfer, header: Header, kv: torch.Tensor | FramedKV | StreamedKV,
+    def write(self, t: Transfer, header: Header, kv: KVPayload,
               checksum: int | None) -> None:
         """Copy layers into the reserved blocks (the one copy on the receive side), checking
         `checksum` (unless None) on the bytes as they land. On a mismatch the transfer fails
@@ -198,7 +202,7 @@ class TransferTable:
             self._cancel(t, deferred)
         return deferred
 
-    def _copy_in(self, t: Transfer, header: Header, kv: torch.Tensor | FramedKV | StreamedKV,
+    def _copy_in(self, t: Transfer, header: Header, kv: KVPayload,
                  checksum: int | None) -> None:
         tid = header.transfer_id
         digest = new_payload_digest() if checksum is not None else None
@@ -274,7 +278,7 @@ class TableReceiver(KVReceiver):
         return self.table.pending_ids()
 
 
-def _layer(kv: torch.Tensor | FramedKV | StreamedKV, i: int) -> torch.Tensor | FramedKV | StreamedKV:
+def _layer(kv: KVPayload, i: int) -> KVPayload:
     """Layer `i` of a message's payload (a framed or streamed payload carries exactly one layer)."""
     if isinstance(kv, StreamedKV):
         if kv.shape[0] != 1 or i != 0:

@@ -12,7 +12,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from cluster.config import ClusterConfig, PoolConfig, load_config
 from workers import invariants
@@ -22,6 +22,9 @@ from workers.metrics import WorkerMetrics
 from workers.model_files import resolve_model_path
 from workers.protocol import GenerateChunk, GenerateRequest
 from workers.stream.server import StreamServer
+
+if TYPE_CHECKING:  # imported where the engine is built: it pulls in transformers
+    from workers.engine.llm_engine import LLMEngine
 
 log = logging.getLogger("pdcluster.worker")
 HEARTBEAT_INTERVAL_S = 0.5
@@ -57,7 +60,7 @@ class EngineWorker:
         """What this replica serves on its worker stream (a prefill replica adds `prefill`)."""
         return {"generate": self.generate}
 
-    def _build_engine(self):
+    def _build_engine(self) -> LLMEngine:
         import torch
 
         from workers.engine.llm_engine import LLMEngine

@@ -336,7 +336,7 @@ def _measure_overlap(prompt_len: int, backend: str, preset: str) -> dict:
     engine = LLMEngine(str(model_dir), block_size=16, num_kv_blocks=prompt_len // 16 + 32,
                        max_num_batched_tokens=prompt_len + 16, device="cpu")
     layout = engine.layout
-    num_blocks = -(-prompt_len // layout.block_size)
+    num_blocks = layout.num_blocks(prompt_len)
     rx = ReceiverProcess(layout, num_blocks * 4)
     sender = make_sender(_config(backend), BENCH_KEY)
     try:

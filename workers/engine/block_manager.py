@@ -13,6 +13,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from workers.engine.kv_types import num_blocks
 from workers.engine.sequence import Sequence
 
 
@@ -44,7 +45,7 @@ class BlockManager:
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Extra blocks `seq` needs to hold KV for its first `num_tokens` tokens."""
-        return max(0, -(-num_tokens // self.block_size) - len(seq.block_ids))
+        return max(0, num_blocks(num_tokens, self.block_size) - len(seq.block_ids))
 
     # -- prefix cache ------------------------------------------------------------------
 

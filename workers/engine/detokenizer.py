@@ -10,6 +10,11 @@ once it no longer ends in U+FFFD (an incomplete character decodes as U+FFFD).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 # Prompt tokens kept as context for the first generated ones, so a first word's leading
 # space (and a character begun by the prompt's tail) decodes as it would in running text.
 PROMPT_CONTEXT_TOKENS = 5
@@ -23,7 +28,7 @@ class IncrementalDetokenizer:
     already; `token_ids[read_offset:]` are tokens whose text is not out yet.
     """
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int] | None = None,
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int] | None = None,
                  skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens

@@ -14,7 +14,14 @@ import math
 
 import torch
 
-from workers.engine.kv_types import ByteDigest, ByteStream, FramedKV, KVLayout, StreamedKV
+from workers.engine.kv_types import (
+    ByteDigest,
+    ByteStream,
+    FramedKV,
+    KVLayout,
+    KVPayload,
+    StreamedKV,
+)
 
 DEFAULT_GPU_MEMORY_FRACTION = 0.9
 DEFAULT_CPU_KV_BYTES = 1 << 30
@@ -101,7 +108,7 @@ class KVCache:
         `digest`, if given, is fed the copy's bytes in order (see `copy_from_blocks`)."""
         return copy_from_blocks(self.layers[layer_idx], block_ids, digest, out)
 
-    def write_blocks(self, layer_idx: int, block_ids: list[int], kv: torch.Tensor,
+    def write_blocks(self, layer_idx: int, block_ids: list[int], kv: KVPayload,
                      digest: ByteDigest | None = None) -> None:
         expected = self.layout.layer_shape(len(block_ids))
         if tuple(kv.shape) != expected:
@@ -121,7 +128,7 @@ def block_runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-def copy_into_blocks(layer: torch.Tensor, block_ids: list[int], kv: torch.Tensor,
+def copy_into_blocks(layer: torch.Tensor, block_ids: list[int], kv: KVPayload,
                      digest: ByteDigest | None = None) -> None:
     """`layer[:, block_ids] = kv`. On CPU, one memmove per (K or V, run of consecutive
     blocks) on the calling thread: ~3x faster than `index_copy_` for a multi-MiB layer, and

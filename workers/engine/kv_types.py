@@ -1,14 +1,42 @@
-"""The seam between the engine and a KV transport.
+"""The whole seam between the engine and a KV transport: every type and call that
+crosses it, in one file.
 
-Prefill side: a request added with a `KVSink` has its prompt KV handed to the sink one
-layer at a time, as soon as the step that completes the prompt has written that layer.
-Decode side: `LLMEngine.reserve_kv` allocates blocks for an expected transfer (reusing
-blocks its prefix cache already holds), the transport writes each received layer with
-`LLMEngine.write_kv_layer`, then `commit_kv` turns the reservation into a running
-request, or `cancel_kv` frees it.
+One transfer moves one request's prompt KV, layer by layer, from a prefill engine into
+blocks a decode engine reserved for it, then the decode engine continues the request as
+if it had prefilled it itself (same tokens, same text).
+
+Prefill side (the engine calls a `KVSink` the transport made):
+    LLMEngine.add_request(..., kv_sink=sink)   prefill worker, with `KVSender.open(...)`'s sink
+    sink.start_block                           engine: blocks before it are not exported
+    sink.new_digest()                          engine, per layer: the checksum to feed while copying
+    sink.export_buffer(nbytes)                 engine, per layer: a host buffer to copy into, or None
+    sink.on_layer(layer_idx, kv, checksum)     engine's step thread, as soon as a layer is written
+    sink.on_complete(first_token_id)           engine, when the prompt's first token is sampled
+    sink.on_abort(reason)                      engine, when the request ends before that
+
+Decode side (a receiver writes into a `KVTarget`: `LLMEngine`, the thread-safe
+`AsyncEngine` the workers pass to receivers, or `transport.memory_target.MemoryTarget`):
+    LLMEngine.reserve_kv(transfer_id, prompt_token_ids) -> KVReservation | None
+                                               decode worker, before asking a prefill replica
+    target.layout                              receiver: what incoming headers must match
+    target.write_kv_layer(res, layer_idx, kv, digest)
+                                               receiver's threads, once per layer; `kv` is a
+                                               tensor, a `FramedKV` or a `StreamedKV`
+    target.cancel_kv(res)                      receiver on any failure, decode worker on its own
+    LLMEngine.commit_kv(res, request_id, params, first_token_id, seed=...)
+                                               decode worker, with the first token id the
+                                               receiver got with the last layer; that token
+                                               is the request's first output (its text from
+                                               the request's own detokenizer and stop rules)
+
+Block math: `num_blocks(num_tokens, block_size)` (or `KVLayout.num_blocks`) is how many
+blocks hold `num_tokens` tokens, everywhere.
 
 Layer tensors have shape `KVLayout.layer_shape(num_blocks)`:
 `[2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]`, contiguous.
+
+Importing this file does not import torch (the router uses `num_blocks`): torch is
+imported where a method needs it.
 """
 
 from __future__ import annotations
@@ -18,9 +46,15 @@ import json
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, TypeAlias
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+
+def num_blocks(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold `num_tokens` tokens (the last one may be partly filled)."""
+    return -(-num_tokens // block_size)
 
 
 @dataclass(frozen=True)
@@ -38,14 +72,41 @@ class KVLayout:
         blob = json.dumps(asdict(self), sort_keys=True).encode()
         return hashlib.blake2b(blob, digest_size=16).hexdigest()
 
+    def num_blocks(self, num_tokens: int) -> int:
+        return num_blocks(num_tokens, self.block_size)
+
     def layer_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
     def layer_nbytes(self, num_blocks: int) -> int:
-        n = 1
-        for d in self.layer_shape(num_blocks):
-            n *= d
-        return n * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        import torch
+
+        return math.prod(self.layer_shape(num_blocks)) * getattr(torch, self.dtype).itemsize
+
+
+@dataclass
+class KVReservation:
+    """Blocks held on the decode side for one expected transfer."""
+
+    transfer_id: str
+    prompt_token_ids: list[int]
+    block_ids: list[int]  # one per block of the prompt, in order
+    num_cached_blocks: int  # leading blocks already valid from the prefix cache
+    layout: KVLayout
+    layers_written: set[int] = field(default_factory=set)
+
+    @property
+    def num_blocks_to_receive(self) -> int:
+        return len(self.block_ids) - self.num_cached_blocks
+
+
+class ByteDigest(Protocol):
+    """What a layer's copy into (or out of) the blocks feeds its bytes to, in the payload's
+    byte order (an `xxhash.xxh3_64`: the transport's checksum, made or verified while copying)."""
+
+    def update(self, data: memoryview, /) -> None: ...
+
+    def intdigest(self) -> int: ...
 
 
 class KVSink(Protocol):
@@ -73,43 +134,11 @@ class KVSink(Protocol):
         """`checksum`: the `new_digest()` result over `kv`'s bytes, when the engine made one."""
 
     def on_complete(self, first_token_id: int) -> None:
-        """All layers were handed over; `first_token_id` is the token prefill sampled."""
+        """All layers were handed over; `first_token_id` is the token prefill sampled. The
+        transport delivers it with the last layer: it is what the decode side commits."""
 
     def on_abort(self, reason: str) -> None:
         """The request ended before its KV was complete (abort, error, preemption)."""
-
-
-class ByteDigest(Protocol):
-    """What a layer's copy into (or out of) the blocks feeds its bytes to, in the payload's
-    byte order (an `xxhash.xxh3_64`: the transport's checksum, made or verified while copying)."""
-
-    def update(self, data: memoryview, /) -> None: ...
-
-    def intdigest(self) -> int: ...
-
-
-@dataclass(frozen=True)
-class FramedKV:
-    """One layer's received payload in the pieces it arrived in (CPU byte tensors whose
-    concatenation is the layer's bytes): `copy_into_blocks` copies from them in order,
-    so a layer sent as several frames is never joined into one buffer first."""
-
-    pieces: tuple[torch.Tensor, ...]  # contiguous uint8, CPU
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    device = torch.device("cpu")
-
-    def __post_init__(self) -> None:
-        nbytes = sum(p.numel() for p in self.pieces)
-        numel = 1
-        for d in self.shape:
-            numel *= d
-        if nbytes != numel * torch.empty((), dtype=self.dtype).element_size():
-            raise ValueError(f"{nbytes} bytes of pieces do not make a {self.dtype} tensor of {self.shape}")
-
-    def joined(self) -> torch.Tensor:
-        """The layer as one tensor (one extra copy: only for a destination that is not host memory)."""
-        return torch.cat([p.reshape(-1) for p in self.pieces]).view(self.dtype).view(self.shape)
 
 
 class ByteStream(Protocol):
@@ -126,6 +155,28 @@ class ByteStream(Protocol):
 
 
 @dataclass(frozen=True)
+class FramedKV:
+    """One layer's received payload in the pieces it arrived in (CPU byte tensors whose
+    concatenation is the layer's bytes): `copy_into_blocks` copies from them in order,
+    so a layer sent as several frames is never joined into one buffer first."""
+
+    pieces: tuple[torch.Tensor, ...]  # contiguous uint8, CPU
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        nbytes = sum(p.numel() for p in self.pieces)
+        if nbytes != math.prod(self.shape) * self.dtype.itemsize:
+            raise ValueError(f"{nbytes} bytes of pieces do not make a {self.dtype} tensor of {self.shape}")
+
+    def joined(self) -> torch.Tensor:
+        """The layer as one tensor (one extra copy: only for a destination that is not host memory)."""
+        import torch
+
+        return torch.cat([p.reshape(-1) for p in self.pieces]).view(self.dtype).view(self.shape)
+
+
+@dataclass(frozen=True)
 class StreamedKV:
     """One layer's payload still arriving on a `ByteStream`: `copy_into_blocks` reads it
     straight into the destination blocks, so the kernel's copy out of the socket is the
@@ -134,7 +185,6 @@ class StreamedKV:
     stream: ByteStream
     shape: tuple[int, ...]
     dtype: torch.dtype
-    device = torch.device("cpu")
 
     @property
     def nbytes(self) -> int:
@@ -142,35 +192,32 @@ class StreamedKV:
 
     def joined(self) -> torch.Tensor:
         """The layer read into one host tensor: only for a destination that is not host memory."""
+        import torch
+
         buf = torch.empty(self.nbytes, dtype=torch.uint8)
         self.stream.fill(memoryview(buf.numpy()))
         return buf.view(self.dtype).view(self.shape)
 
 
-@dataclass
-class KVReservation:
-    """Blocks held on the decode side for one expected transfer."""
+# One received layer as `KVTarget.write_kv_layer` takes it (a host payload or any tensor).
+KVPayload: TypeAlias = "torch.Tensor | FramedKV | StreamedKV"
 
-    transfer_id: str
-    prompt_token_ids: list[int]
-    block_ids: list[int]  # one per block of the prompt, in order
-    num_cached_blocks: int  # leading blocks already valid from the prefix cache
-    layout: KVLayout
-    layers_written: set[int] = field(default_factory=set)
+
+class KVTarget(Protocol):
+    """What a receiver writes into: the decode engine (`LLMEngine`, or `AsyncEngine` in a
+    worker) or a test double (`transport.memory_target.MemoryTarget`).
+
+    `write_kv_layer` copies `kv` (shape `layout.layer_shape(res.num_blocks_to_receive)`)
+    into the reserved blocks `[num_cached_blocks:]`, feeding `digest` (if given) every
+    byte of `kv` in order, so the receiver verifies the payload's checksum in the same
+    pass (`copy_into_blocks`); it is called from transport threads and must be
+    thread-safe with the engine's step. `cancel_kv` frees the reservation; idempotent.
+    """
 
     @property
-    def num_blocks_to_receive(self) -> int:
-        return len(self.block_ids) - self.num_cached_blocks
+    def layout(self) -> KVLayout: ...
 
+    def write_kv_layer(self, res: KVReservation, layer_idx: int, kv: KVPayload,
+                       digest: ByteDigest | None = None) -> None: ...
 
-@dataclass(frozen=True)
-class StepRecord:
-    """One engine step, for the `auto` policy and the `plan` simulator to learn from."""
-
-    start_time: float  # time.time() at step start
-    step_time_s: float
-    num_prefill_tokens: int  # prompt tokens computed this step
-    num_decode_seqs: int  # sequences that produced a decode token this step
-    num_context_tokens: int  # sum of context lengths attended over
-    num_running: int
-    num_waiting: int
+    def cancel_kv(self, res: KVReservation) -> None: ...

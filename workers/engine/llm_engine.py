@@ -19,14 +19,14 @@ from transformers import AutoTokenizer
 from workers.engine.attention import KVExport
 from workers.engine.block_manager import BlockManager
 from workers.engine.kv_cache import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_MEMORY_FRACTION
-from workers.engine.kv_types import ByteDigest, KVLayout, KVReservation, KVSink, StepRecord
+from workers.engine.kv_types import ByteDigest, KVLayout, KVPayload, KVReservation, KVSink
 from workers.engine.model_runner import ModelRunner, resolve_dtype
 from workers.engine.output_processor import OutputProcessor
 from workers.engine.sampler import Sampler, SamplingRow, request_seed
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import DEFAULT_YIELD_TOKENS, ScheduledSeq, Scheduler
 from workers.engine.sequence import RequestOutput, Sequence
-from workers.engine.step_cost import StepCostModel
+from workers.engine.step_cost import StepCostModel, StepRecord
 
 
 class LLMEngine:
@@ -95,7 +95,7 @@ class LLMEngine:
         if num_tokens > self.runner.max_model_len:
             raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds "
                              f"the model's context length {self.runner.max_model_len}")
-        if -(-num_tokens // self.layout.block_size) > self.block_manager.num_blocks:
+        if self.layout.num_blocks(num_tokens) > self.block_manager.num_blocks:
             raise ValueError(f"prompt + max_tokens ({num_tokens} tokens) exceeds the KV pool "
                              f"({self.block_manager.num_blocks} blocks of {self.layout.block_size})")
 
@@ -140,8 +140,8 @@ class LLMEngine:
 
     def _exports(self, batch: list[ScheduledSeq]) -> list[KVExport]:
         """Sinks of requests whose prompt completes this step, with the blocks to send."""
-        block_size = self.layout.block_size
-        return [KVExport(s.seq.kv_sink, s.seq.block_ids[s.seq.kv_sink.start_block:-(-s.end // block_size)])
+        return [KVExport(s.seq.kv_sink,
+                         s.seq.block_ids[s.seq.kv_sink.start_block:self.layout.num_blocks(s.end)])
                 for s in batch
                 if s.seq.kv_sink is not None and s.needs_sample and not s.seq.output_token_ids]
 
@@ -212,7 +212,7 @@ class LLMEngine:
             return KVReservation(transfer_id, prompt, list(seq.block_ids),
                                  num_hit_tokens // self.layout.block_size, self.layout)
 
-    def write_kv_layer(self, reservation: KVReservation, layer_idx: int, kv: torch.Tensor,
+    def write_kv_layer(self, reservation: KVReservation, layer_idx: int, kv: KVPayload,
                        digest: ByteDigest | None = None) -> None:
         """Copy one received layer (`layout.layer_shape(num_blocks_to_receive)`) into its blocks,
         feeding `digest` (if given) the bytes as they land (`copy_into_blocks`).

@@ -6,13 +6,18 @@ per generated token: "is this request finished, and what text may be shown now?"
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from workers.engine.detokenizer import IncrementalDetokenizer
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.stop import StopChecker
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 
 class OutputProcessor:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams,
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: frozenset[int], detokenize: bool) -> None:
         # Text is only needed for streams and stop strings; token-only callers skip it.
         self.detokenizer = (IncrementalDetokenizer(tokenizer, prompt_token_ids)

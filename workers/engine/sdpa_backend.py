@@ -48,7 +48,7 @@ class SdpaBackend(AttentionBackend):
 
     def _prefill_seq(self, meta: AttentionMetadata, i: int, device: torch.device) -> _PrefillSeq:
         length, context_len = meta.query_lens[i], meta.context_lens[i]
-        num_blocks = -(-context_len // meta.kv_cache.layout.block_size)
+        num_blocks = meta.kv_cache.layout.num_blocks(context_len)
         block_ids = torch.tensor(meta.block_tables[i][:num_blocks], dtype=torch.long, device=device)
         mask = None
         if context_len != length:  # query j sits at position context_len - length + j
@@ -59,7 +59,7 @@ class SdpaBackend(AttentionBackend):
     def _decode_batch(self, meta: AttentionMetadata, seq_ids: list[int], device: torch.device) -> _DecodeBatch:
         block_size = meta.kv_cache.layout.block_size
         context_lens = [meta.context_lens[i] for i in seq_ids]
-        max_blocks = -(-max(context_lens) // block_size)
+        max_blocks = meta.kv_cache.layout.num_blocks(max(context_lens))
         rows = [meta.block_tables[i][:max_blocks] for i in seq_ids]
         table = torch.tensor([r + [0] * (max_blocks - len(r)) for r in rows], dtype=torch.long, device=device)
         lens = torch.tensor(context_lens, device=device)

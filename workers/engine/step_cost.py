@@ -16,11 +16,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workers.engine.kv_types import StepRecord
-
 YIELD_STEP_FRACTION = 0.5  # a background chunk's cost, in decode steps
 MIN_PREFILL_TOKENS = 64  # shorter chunks are dominated by per-step overhead, not tokens
 EMA_WEIGHT = 0.2  # of the newest observation
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One engine step, for the `auto` policy and the `plan` simulator to learn from."""
+
+    start_time: float  # time.time() at step start
+    step_time_s: float
+    num_prefill_tokens: int  # prompt tokens computed this step
+    num_decode_seqs: int  # sequences that produced a decode token this step
+    num_context_tokens: int  # sum of context lengths attended over
+    num_running: int
+    num_waiting: int
 
 
 @dataclass
