@@ -131,22 +131,26 @@ class _DirectSink:
 
 
 def test_imported_kv_continues_like_local(tiny_model_dir, offline):
+    """Tokens and text of the stream from imported KV are the local stream's; its first
+    chunk is the prefill replica's token with that token's text."""
     prompt = PROMPTS[0]
     want = offline.generate([prompt], GREEDY)[0].token_ids
     prefill = AsyncEngine(LLMEngine(str(tiny_model_dir), device="cpu", num_kv_blocks=64))
     decode = AsyncEngine(LLMEngine(str(tiny_model_dir), device="cpu", num_kv_blocks=64))
 
     async def main():
+        _, want_text, _ = await collect(prefill.generate("l#0", prompt, GREEDY, seed=0))
         res = await decode.reserve_kv("t1", prompt)
         assert res is not None and decode.num_open_reservations == 1
         sink = _DirectSink(decode, res)
         first_params = SamplingParams(max_tokens=1, temperature=0.0)
-        token_ids, _, _ = await collect(prefill.generate("p#0", prompt, first_params, seed=0, kv_sink=sink))
+        token_ids, first_text, _ = await collect(prefill.generate("p#0", prompt, first_params, seed=0, kv_sink=sink))
         assert sink.done.is_set() and token_ids == [sink.first_token_id]
-        first = GenerateChunk(token_ids=[sink.first_token_id])
-        got, _, last = await collect(decode.generate_from_kv(res, "d#0", GREEDY, sink.first_token_id, 0,
-                                                             first_chunk=first))
-        assert got == want and last.finished
+        stream = decode.generate_from_kv(res, "d#0", GREEDY, sink.first_token_id, 0)
+        first = await anext(stream)
+        assert first.token_ids[0] == sink.first_token_id and first.text.startswith(first_text)
+        got, text, last = await collect(stream)
+        assert first.token_ids + got == want and first.text + text == want_text and last.finished
         assert decode.num_open_reservations == 0
         await wait_until(lambda: _no_requests(decode))
         await decode.check_integrity()

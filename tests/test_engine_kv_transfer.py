@@ -59,6 +59,14 @@ def import_kv(decode, transfer_id, prompt, sink, reservation=None):
     return reservation
 
 
+def reports(engine, request_id) -> list[tuple[list[int], str, str | None]]:
+    """Every output `step()` reports for `request_id` until the engine is idle: (new ids, text, finish reason)."""
+    got = []
+    while engine.has_unfinished_requests():
+        got += [(o.new_token_ids, o.text, o.finish_reason) for o in engine.step() if o.request_id == request_id]
+    return got
+
+
 def finish(engine, request_id):
     final = None
     while engine.has_unfinished_requests():
@@ -74,7 +82,7 @@ def check_transfer(make_engine, prompt, params, seed=1234):
     sink = prefill_remotely(prefill, prompt, params, seed)
     layout = prefill.layout
     assert sink.events == [f"layer{i}" for i in range(layout.num_layers)] + ["complete"]
-    num_blocks = -(-len(prompt) // layout.block_size)  # includes the block with the last prompt token
+    num_blocks = layout.num_blocks(len(prompt))  # includes the block with the last prompt token
     assert all(tuple(kv.shape) == layout.layer_shape(num_blocks) for kv in sink.layers.values())
     assert sink.first_token_id == local[0]
     # the checksum made during the export copy is the one of the bytes handed over
@@ -203,3 +211,30 @@ def test_refused_commit_frees_its_reservation(make_engine):
         raise AssertionError("commit of an over-long request was accepted")
     assert decode.stats()["kv_blocks_free"] > free_before
     assert decode.stats()["kv_blocks_free"] == decode.stats()["kv_blocks_total"]
+
+
+def test_first_output_after_import_is_the_first_token_with_its_text_once(make_engine):
+    """`commit_kv` reports the prefill replica's token as the request's first output, with
+    its text from the request's own detokenizer and stop rules: every output (ids, text,
+    finish reason) is the one the local route reports, also when a stop string or
+    max_tokens=1 ends the request on that token, or the first token's text is held back
+    as the possible start of a stop string."""
+    local, prefill, decode = make_engine(), make_engine(), make_engine()
+    for seed in (0, 1, 2):  # first tokens whose text shows at once (seed 2's with the prompt's broken tail)
+        prompt = random_prompts([40], seed=seed)[0]
+        local.add_request("probe", prompt, greedy(1))
+        (_, first_text, _), = reports(local, "probe")
+        assert first_text
+        stop = first_text[-1]
+        for i, params in enumerate((greedy(8, ignore_eos=True), greedy(1), greedy(8, stop=(stop,)),
+                                    greedy(1, stop=(stop,)), greedy(8, stop=(stop + "\u2603",)))):
+            local.add_request("l", prompt, params, seed=0)
+            want = reports(local, "l")
+            transfer_id = f"t{seed}.{i}"
+            reservation = decode.reserve_kv(transfer_id, prompt)
+            sink = prefill_remotely(prefill, prompt, params, seed=0, start_block=reservation.num_cached_blocks)
+            import_kv(decode, transfer_id, prompt, sink, reservation)
+            decode.commit_kv(reservation, "d", params, sink.first_token_id, seed=0)
+            got = reports(decode, "d")
+            assert got == want, (seed, params)
+            assert got[0][0] == [sink.first_token_id]

@@ -134,7 +134,7 @@ def test_prefill_method_returns_one_result_and_cancels():
         try:
             if req.transfer_id == "slow":
                 await gate.wait()
-            yield PrefillResult(first_token_id=42, num_cached_tokens=16, num_bytes=1 << 20, seconds=0.01)
+            yield PrefillResult(num_cached_tokens=16, num_bytes=1 << 20, seconds=0.01)
         except asyncio.CancelledError:
             seen.append("cancelled")
             raise
@@ -151,7 +151,7 @@ def test_prefill_method_returns_one_result_and_cancels():
         streams = WorkerStreams(StreamCodec(KEY), ping_interval_s=0.1, silence_timeout_s=0.5)
         try:
             replies = await _collect(streams.call(server.address, request("t1"), "prefill"))
-            assert replies == [PrefillResult(42, 16, 1 << 20, 0.01)]
+            assert replies == [PrefillResult(16, 1 << 20, 0.01)]
             slow = streams.call(server.address, request("slow"), "prefill")
             await _until(lambda: "slow" in seen)
             slow.cancel()

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from tests.engine_support import random_prompts
 from workers.engine.sampling_params import SamplingParams
 from workers.protocol import GenerateRequest
 
@@ -61,7 +62,8 @@ def expected(tiny_model_dir):
 
 
 def _request(route: str, reason: str = "forced", **kw) -> GenerateRequest:
-    return GenerateRequest(request_id=f"req-{time.monotonic_ns()}", prompt_token_ids=PROMPT,
+    return GenerateRequest(request_id=f"req-{time.monotonic_ns()}",
+                           prompt_token_ids=kw.pop("prompt_token_ids", PROMPT),
                            params=kw.pop("params", GREEDY), seed=7, route=route, reason=reason, **kw)
 
 
@@ -100,11 +102,24 @@ def test_disagg_equals_offline(workers, expected):
 
 
 def test_disagg_text_equals_local(workers):
+    """The first token's text arrives exactly once on the disaggregated route: a stream's
+    text and finish are the local route's, also when a stop string or max_tokens=1 ends
+    the request on the first token."""
     handle, _, _, prefill_id = workers
-    params = SamplingParams(max_tokens=12, temperature=0.0, stop=("zz",))
-    _, local = _run(handle, _request("local", params=params))
-    _, remote = _run(handle, _request("disagg", params=params, prefill_replica=prefill_id))
-    assert "".join(c.text for c in local) == "".join(c.text for c in remote)
+    prompt = random_prompts([40], seed=1)[0]  # its first token shows text at once
+    first = _run(handle, _request("local", params=SamplingParams(max_tokens=1, temperature=0.0),
+                                  prompt_token_ids=prompt))[1]
+    first_text = "".join(c.text for c in first)
+    assert first_text
+    for params in (SamplingParams(max_tokens=12, temperature=0.0, stop=("zz",)),
+                   SamplingParams(max_tokens=1, temperature=0.0),
+                   SamplingParams(max_tokens=12, temperature=0.0, stop=(first_text[-1],))):
+        _, local = _run(handle, _request("local", params=params, prompt_token_ids=prompt))
+        _, remote = _run(handle, _request("disagg", params=params, prompt_token_ids=prompt,
+                                          prefill_replica=prefill_id))
+        assert remote[0].route == "disagg"
+        assert "".join(c.text for c in local) == "".join(c.text for c in remote), params
+        assert local[-1].finish_reason == remote[-1].finish_reason, params
 
 
 def test_seeded_sampling_equal_across_routes(workers):

@@ -25,14 +25,20 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from workers.engine.kv_types import KVReservation, KVSink
+from workers.engine.kv_types import ByteDigest, KVLayout, KVPayload, KVReservation, KVSink
 from workers.engine.sampling_params import SamplingParams
 from workers.protocol import GenerateChunk
 
+if TYPE_CHECKING:  # the engine module pulls in transformers; workers build it lazily
+    from workers.engine.llm_engine import LLMEngine
+    from workers.engine.sequence import RequestOutput
+
 log = logging.getLogger(__name__)
 _nonce = itertools.count()
+T = TypeVar("T")
+_Call = tuple[Callable[..., Any], tuple[Any, ...], concurrent.futures.Future[Any]]  # fn, args, result
 
 
 class EngineDeadError(RuntimeError):
@@ -46,16 +52,16 @@ class DeadlineExceeded(Exception):
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    queue: asyncio.Queue[RequestOutput | BaseException]
 
 
 class AsyncEngine:
-    def __init__(self, engine, idle_wait_s: float = 0.5) -> None:
+    """The `LLMEngine` for asyncio callers, and the `KVTarget` a worker's receiver writes into."""
+
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.5) -> None:
         self.engine = engine
-        self.tokenizer = engine.tokenizer
-        self.eos_token_ids = _eos_token_ids(engine)
         self.idle_wait_s = idle_wait_s
-        self._calls: deque[tuple[Callable, tuple, concurrent.futures.Future]] = deque()
+        self._calls: deque[_Call] = deque()
         self._streams: dict[str, _Stream] = {}
         self._open_transfer_ids: set[str] = set()  # reservations neither committed nor cancelled
         self._kv_lock = threading.Lock()  # a layer write vs. closing its reservation
@@ -84,9 +90,9 @@ class AsyncEngine:
 
     # ---- calls run on the engine thread ----------------------------------------------
 
-    def submit(self, fn: Callable, *args: Any) -> concurrent.futures.Future:
+    def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
         """Run `fn(*args)` on the engine thread before its next step."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
         if self.error is not None:
             fut.set_exception(EngineDeadError(f"engine loop died: {self.error!r}"))
             return fut
@@ -96,25 +102,26 @@ class AsyncEngine:
             self._fail_calls(EngineDeadError(f"engine loop died: {self.error!r}"))
         return fut
 
-    async def call(self, fn: Callable, *args: Any) -> Any:
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.wrap_future(self.submit(fn, *args))
 
-    async def stats(self) -> dict:
+    async def stats(self) -> dict[str, int]:
         return await self.call(self.engine.stats)
 
     async def check_integrity(self) -> None:
         await self.call(self.engine.check_integrity)
 
-    # ---- KV import: the `transport.base.KVTarget` a receiver writes into ---------------
+    # ---- KV import: the `kv_types.KVTarget` a receiver writes into ---------------------
 
     @property
-    def layout(self):
+    def layout(self) -> KVLayout:
         return self.engine.layout
 
     async def reserve_kv(self, transfer_id: str, prompt_token_ids: list[int]) -> KVReservation | None:
         return await self.call(self._reserve, transfer_id, prompt_token_ids)
 
-    def write_kv_layer(self, reservation: KVReservation, layer_idx: int, kv, digest=None) -> None:
+    def write_kv_layer(self, reservation: KVReservation, layer_idx: int, kv: KVPayload,
+                       digest: ByteDigest | None = None) -> None:
         """For transport threads: copies on the calling thread and returns once the layer
         is written, or dropped because the reservation is closed already (its blocks may
         belong to another request now).
@@ -182,24 +189,22 @@ class AsyncEngine:
 
     async def generate_from_kv(self, reservation: KVReservation, request_id: str,
                                params: SamplingParams, first_token_id: int, seed: int, *,
-                               first_chunk: GenerateChunk,
                                deadline: float | None = None) -> AsyncIterator[GenerateChunk]:
-        """Turn a fully received reservation into a running request and stream it;
-        `first_chunk` (the prefill worker's token) is yielded as soon as it is committed."""
+        """Turn a fully received reservation into a running request and stream it. The
+        first chunk is `first_token_id` (the prefill replica's token) with its text, the
+        engine's first output for the request (`LLMEngine.commit_kv`)."""
         commit = lambda: self._commit(reservation, request_id, params, first_token_id, seed)  # noqa: E731
-        async for chunk in self._stream(request_id, commit, deadline, first_chunk):
+        async for chunk in self._stream(request_id, commit, deadline):
             yield chunk
 
-    async def _stream(self, request_id: str, start: Callable, deadline: float | None,
-                      first_chunk: GenerateChunk | None = None) -> AsyncIterator[GenerateChunk]:
+    async def _stream(self, request_id: str, start: Callable[[], None],
+                      deadline: float | None) -> AsyncIterator[GenerateChunk]:
         assert request_id not in self._streams, f"duplicate engine request id {request_id}"
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         finished = False
         try:
             await self.call(start)
-            if first_chunk is not None:
-                yield first_chunk
             while not finished:
                 chunk = await self._next_chunk(stream, deadline)
                 finished = chunk.finished
@@ -273,7 +278,7 @@ class AsyncEngine:
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(exc)
 
-    def _dispatch(self, outputs) -> None:
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is not None:
@@ -285,10 +290,3 @@ class AsyncEngine:
         for stream in list(self._streams.values()):
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, dead)
 
-
-def _eos_token_ids(engine) -> frozenset[int]:
-    ids = getattr(engine, "eos_token_ids", None)
-    if ids is None:
-        eos = engine.tokenizer.eos_token_id
-        ids = [] if eos is None else [eos]
-    return frozenset(ids)

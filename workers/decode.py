@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 
 from ray import serve
 
-from workers.engine.output_processor import OutputProcessor
+from workers.engine.kv_types import KVReservation
 from workers.engine_worker import EngineWorker
 from workers.kv_transport import make_receiver
 from workers.protocol import GenerateChunk, GenerateRequest, PrefillRequest
@@ -71,31 +71,23 @@ class DecodeWorker(EngineWorker):
             async for chunk in self._local(req, "local", exc.reason):
                 yield chunk
             return
+        # The prefill replica's token is the engine's first output for the request.
         request_id = self.engine.new_request_id(req.request_id)
-        stream = self._from_kv(res, request_id, req, first_token_id)
+        stream = self.engine.generate_from_kv(res, request_id, req.params, first_token_id, req.seed,
+                                              deadline=req.deadline)
         async for chunk in self.label_first(stream, req, "disagg", req.reason):
             yield chunk
-
-    def _from_kv(self, res, request_id: str, req: GenerateRequest,
-                 first_token_id: int) -> AsyncIterator[GenerateChunk]:
-        # The engine does not report the prefill worker's token again; its text is what
-        # a fresh output processor makes of it (the same code from the same state).
-        processor = OutputProcessor(self.engine.tokenizer, req.prompt_token_ids, req.params,
-                                    self.engine.eos_token_ids, True)
-        _, text = processor.append(first_token_id)
-        first = GenerateChunk(token_ids=[first_token_id], text=text if req.detokenize else "",
-                              num_cached_tokens=res.num_cached_blocks * res.layout.block_size)
-        return self.engine.generate_from_kv(res, request_id, req.params, first_token_id, req.seed,
-                                            first_chunk=first, deadline=req.deadline)
 
     async def __del__(self) -> None:
         await super().__del__()
         if self.prefill_streams is not None:
             self.prefill_streams.close()
 
-    async def _remote_prefill(self, req: GenerateRequest):
+    async def _remote_prefill(self, req: GenerateRequest) -> tuple[KVReservation, int]:
         """Returns (reservation, first token id) with every layer written, or raises
-        RemotePrefillFailed having released everything it took."""
+        RemotePrefillFailed having released everything it took. The first token id comes
+        with the last layer, from the receiver: the commit need not wait for the prefill
+        call's reply."""
         can_call = self.prefill_handle is not None or (req.prefill_address and self.prefill_streams)
         if not can_call or not req.prefill_replica:
             raise RemotePrefillFailed("prefill-unhealthy", "no prefill replica")
@@ -122,7 +114,7 @@ class DecodeWorker(EngineWorker):
         call.add_done_callback(_retrieve_exception)  # may still be finishing; never awaited
         return res, first_token_id
 
-    def _call_prefill(self, req: GenerateRequest, transfer_id: str, res) -> asyncio.Task:
+    def _call_prefill(self, req: GenerateRequest, transfer_id: str, res: KVReservation) -> asyncio.Task:
         prefill_req = PrefillRequest(
             request_id=req.request_id, transfer_id=transfer_id,
             prompt_token_ids=req.prompt_token_ids, params=req.params, seed=req.seed,

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 
 from ray import serve
 
+from workers.engine.kv_types import KVSink
 from workers.engine.sampling_params import SamplingParams
 from workers.engine_worker import EngineWorker
 from workers.faults import wrap_sender
@@ -57,17 +58,19 @@ class PrefillWorker(EngineWorker):
         sink = self.sender.open(req.transfer_id, req.decode_address, layout,
                                 start_block=req.start_block, timeout=req.timeout_s)
         request_id = self.engine.new_request_id(req.request_id)
-        first_token_id, num_cached = await self._run_prompt(request_id, req, sink)
+        num_cached = await self._run_prompt(request_id, req, sink)
         await sink.wait_async()
         seconds = time.perf_counter() - start
-        num_blocks = -(-len(req.prompt_token_ids) // layout.block_size) - req.start_block
+        num_blocks = layout.num_blocks(len(req.prompt_token_ids)) - req.start_block
         num_bytes = layout.layer_nbytes(max(num_blocks, 0)) * layout.num_layers
         self.metrics.record_transfer(num_bytes, seconds, self.sender.backend)
         log.info("request %s: prefilled %d tokens, sent %d bytes to %s in %.1f ms", req.request_id,
                  len(req.prompt_token_ids), num_bytes, req.decode_address, seconds * 1e3)
-        return PrefillResult(first_token_id, num_cached, num_bytes, seconds)
+        return PrefillResult(num_cached, num_bytes, seconds)
 
-    async def _run_prompt(self, request_id: str, req: PrefillRequest, sink) -> tuple[int, int]:
+    async def _run_prompt(self, request_id: str, req: PrefillRequest, sink: KVSink) -> int:
+        """Prefill and sample the first token, which the engine hands to `sink` with the
+        last layer (`KVSink.on_complete`); returns the prompt tokens the prefix cache held."""
         self.num_inflight += 1
         try:
             token_ids: list[int] = []
@@ -79,7 +82,7 @@ class PrefillWorker(EngineWorker):
                 num_cached = max(num_cached, chunk.num_cached_tokens)
             if not token_ids:
                 raise RuntimeError(f"transfer {req.transfer_id}: prefill ended without a token")
-            return token_ids[0], num_cached
+            return num_cached
         finally:
             self.num_inflight -= 1
 

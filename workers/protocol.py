@@ -73,7 +73,10 @@ class PrefillRequest:
 
 @dataclass
 class PrefillResult:
-    first_token_id: int
+    """Prefill worker -> decode worker, once every layer was acknowledged. The first token
+    is not here: it travels with the last layer (`KVSink.on_complete`), which is what the
+    decode side commits, without waiting for this reply."""
+
     num_cached_tokens: int  # prompt tokens the prefill replica found in its prefix cache
     num_bytes: int  # KV bytes sent
     seconds: float  # prefill + transfer, on the prefill side

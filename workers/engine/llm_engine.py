@@ -122,10 +122,17 @@ class LLMEngine:
     # -- stepping --------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Advance every schedulable request by one step; report those that produced or ended."""
+        """Advance every schedulable request by one step; report those that produced or ended.
+
+        Outputs decided between steps (a committed first token, an abort) are reported by
+        a step of their own, which runs no batch: they never wait for a forward pass.
+        """
         with self._lock:
+            if self._pending:
+                outputs, self._pending = self._pending, []
+                return outputs
             start_time, t0 = time.time(), time.perf_counter()
-            outputs, self._pending = self._pending, []
+            outputs = []
             batch = self.scheduler.schedule()
             if batch:
                 logits = self.runner.run(batch, self._exports(batch))
@@ -134,7 +141,7 @@ class LLMEngine:
                 for s in batch:
                     s.seq.num_computed_tokens = s.end
                     self.block_manager.cache_full_blocks(s.seq)
-                outputs += [self._append_token(s.seq, t) for s, t in zip(sampling, token_ids, strict=True)]
+                outputs = [self._append_token(s.seq, t) for s, t in zip(sampling, token_ids, strict=True)]
             self._record_step(batch, start_time, time.perf_counter() - t0)
             return outputs
 
@@ -230,8 +237,10 @@ class LLMEngine:
                   first_token_id: int, *, seed: int | None = None) -> None:
         """Turn a fully written reservation into a request that decodes as if prefilled here.
 
-        `first_token_id` (sampled by the prefill worker) becomes output token 0; it is not
-        reported again as a new token, and its text is left to whoever reported it.
+        `first_token_id` (sampled by the prefill worker) is appended as output token 0 and
+        reported by the next `step()` as the request's first output, its text made by the
+        request's own detokenizer and stop rules, exactly as for a token sampled here: a
+        stop string or `max_tokens=1` can end the request on it.
         """
         with self._lock:
             missing = set(range(self.layout.num_layers)) - reservation.layers_written
@@ -249,11 +258,7 @@ class LLMEngine:
             self.block_manager.cache_full_blocks(seq)
             self.requests[request_id] = seq
             self.scheduler.add(seq)
-            seq.output_token_ids.append(int(first_token_id))
-            finish_reason, _ = seq.processor.append(int(first_token_id))
-            if finish_reason is not None:
-                self._finish(seq, finish_reason)
-                self._pending.append(self._output(seq, []))
+            self._pending.append(self._append_token(seq, int(first_token_id)))
 
     def cancel_kv(self, reservation: KVReservation) -> None:
         """Free a reservation's blocks (transfer failed or was abandoned); idempotent."""
