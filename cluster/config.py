@@ -212,6 +212,7 @@ class SecretsConfig(_Strict):
 
     admin_token_env: str = "PDC_ADMIN_TOKEN"
     admin_token_file: str | None = None
+    # The transport key: `transport.key_file` first (order in `cluster.app.transport_key`)
     transport_key_env: str = "PDC_TRANSPORT_KEY"
     transport_key_file: str | None = None
     api_keys_file_env: str = "PDC_API_KEYS_FILE"  # the variable holds a path, as in INTERFACES.md
