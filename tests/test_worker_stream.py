@@ -349,7 +349,7 @@ requests = st.builds(
     seed=st.integers(0, 1 << 31), route=st.sampled_from(["local", "disagg"]), reason=st.sampled_from(REASONS),
     workload=st.text(max_size=20), deadline=st.none() | st.floats(0, 2e9),
     prefill_timeout_s=st.floats(0.1, 100), target_replica=st.none() | st.text(max_size=20),
-    prefill_replica=st.none() | st.text(max_size=20), detokenize=st.booleans())
+    prefill_replica=st.none() | st.text(max_size=20))
 
 
 @given(requests)
@@ -361,7 +361,7 @@ def test_requests_survive_the_wire(req):
 
 @pytest.mark.parametrize("field, value", [("prompt_token_ids", [1, -2]), ("prompt_token_ids", "abc"),
                                           ("seed", "1"), ("route", "elsewhere"), ("reason", "because"),
-                                          ("detokenize", 1), ("deadline", "soon")])
+                                          ("workload", 1), ("deadline", "soon")])
 def test_malformed_requests_are_rejected(field, value):
     raw = to_wire(_request())
     raw[field] = value

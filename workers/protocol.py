@@ -34,7 +34,6 @@ class GenerateRequest:
     prefill_timeout_s: float = 30.0  # remote prefill + transfer; then local fallback
     target_replica: str | None = None  # replica unique id the request router must pick
     prefill_replica: str | None = None  # for route == "disagg": the prefill replica to use
-    detokenize: bool = True
     prefill_address: str | None = None  # that prefill replica's worker stream, if it has one
 
 

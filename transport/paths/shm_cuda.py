@@ -1,6 +1,6 @@
 """The `shm` data path's device half: CUDA layers between processes of one node by CUDA IPC.
 
-Same protocol as the host half (`shm_backend.py`): a LAYER header names a slot the sender
+Same protocol as the host half (`shm.py`): a LAYER header names a slot the sender
 owns, the receiver copies the slot into its blocks and answers RELEASE, and the slot is
 reused. Here the slot is device memory shared once through CUDA IPC (`cuda_ipc.py`), its
 `IpcHandle` rides in the header's `extra`, and the receiver keeps each opened slot mapped

@@ -50,7 +50,7 @@ Handler = Callable[[Any], AsyncIterator[Any]]  # a request -> its replies (datac
 class StreamServer:
     def __init__(self, handlers: dict[str, Handler], codec: StreamCodec, host: str, port: int = 0,
                  session_timeout_s: float = SESSION_TIMEOUT_S) -> None:
-        """`handlers`: method name ("generate", "prefill"; see stream_wire.REQUESTS) -> handler."""
+        """`handlers`: method name ("generate", "prefill"; see workers.stream.wire.REQUESTS) -> handler."""
         assert set(handlers) <= set(REQUESTS), handlers
         self._handlers = handlers
         self._codec = codec

@@ -126,7 +126,7 @@ def to_wire(obj: Any) -> dict[str, Any]:
 def request_from_wire(raw: Any) -> GenerateRequest:
     """Raises StreamRejected naming what is wrong."""
     _same_fields(raw, GenerateRequest)
-    _expect(raw, request_id=str, seed=int, route=str, reason=str, workload=str, detokenize=bool,
+    _expect(raw, request_id=str, seed=int, route=str, reason=str, workload=str,
             prefill_timeout_s=(int, float))
     _expect_optional(raw, deadline=(int, float), target_replica=str, prefill_replica=str,
                      prefill_address=str)
