@@ -1,7 +1,7 @@
 """The KV transport's wire format: one sealed msgpack header per message, then raw payload frames.
 
 A message is the frames `[header, mac, *payload]`: the header is sealed with the shared key
-(`PDC_TRANSPORT_KEY`) under this channel's own domain tag (transport/sealed.py), so no
+(the transport key, which the app builder resolves once) under this channel's own domain tag (transport/sealed.py), so no
 other message sealed with that key verifies as a header. The header carries an xxh3-64
 checksum of the payload, so the payload is protected by the MAC without hashing every byte
 with SHA-256. The MAC is checked before the header is parsed, the parser has hard size

@@ -4,7 +4,7 @@ The router calls a worker replica's `generate` over ZeroMQ (workers/stream/clien
 workers/stream/server.py) instead of a Serve handle, because every handle hop costs a few
 milliseconds on the TTFT path and again on every token. A message is the frames
 `[body, mac]`, sealed (transport/sealed.py) with the cluster's transport key
-(`PDC_TRANSPORT_KEY`) under the stream's own domain tag, which keeps a stream message from
+(resolved once by the app builder) under the stream's own domain tag, which keeps a stream message from
 ever verifying as a KV-transport header and the other way round. The MAC is checked before
 anything is parsed, the parser has hard size limits, and nothing on the wire is unpickled.
 
