@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from workers.engine.sampling_params import SamplingParams
+from workers.engine.sequence import TokenLogprob
 
 Route = Literal["local", "disagg"]
 
@@ -51,6 +52,10 @@ class GenerateChunk:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: dict | None = None  # OpenAI-shaped error body when finish_reason == "error"
+    # As in the engine's `RequestOutput`: per new token, and the prompt's on the first chunk.
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    index: int = 0  # which of the request's n sequences
 
 
 @dataclass

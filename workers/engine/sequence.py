@@ -92,6 +92,16 @@ class Sequence:
         return self._block_hashes[block_index]
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log-probability under the model's raw logits, and the `top` most likely
+    tokens at that position as (token id, logprob), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class RequestOutput:
     """What one `step()` reports about one request it advanced or ended."""
@@ -104,3 +114,9 @@ class RequestOutput:
     text: str = ""  # new text since the last report (empty unless the engine detokenizes)
     prompt_token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # With `SamplingParams.logprobs`: one entry per token of `new_token_ids`.
+    logprobs: list[TokenLogprob] | None = None
+    # With `SamplingParams.prompt_logprobs`, on the first output only: one entry per prompt
+    # token, None for the first (nothing precedes it).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    index: int = 0  # which of the request's `n` (or `best_of`) sequences this is

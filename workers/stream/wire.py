@@ -119,7 +119,7 @@ def to_wire(obj: Any) -> dict[str, Any]:
     """A request or reply dataclass as a map (its SamplingParams as a map too)."""
     out = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
     if isinstance(out.get("params"), SamplingParams):
-        out["params"] = {name: getattr(out["params"], name) for name in _PARAM_FIELDS}
+        out["params"] = dataclasses.asdict(out["params"])
     return out
 
 
