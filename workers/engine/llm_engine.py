@@ -22,10 +22,15 @@ from workers.engine.kv_cache import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_MEMORY_FRA
 from workers.engine.kv_types import ByteDigest, KVLayout, KVPayload, KVReservation, KVSink
 from workers.engine.model_runner import ModelRunner, resolve_dtype
 from workers.engine.output_processor import OutputProcessor
+from workers.engine.prompt_logprobs import (
+    add_prompt_logprobs,
+    new_prompt_logprobs,
+    prompt_positions,
+)
 from workers.engine.sampler import Sampler, SamplingRow, request_seed
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import DEFAULT_YIELD_TOKENS, ScheduledSeq, Scheduler
-from workers.engine.sequence import RequestOutput, Sequence
+from workers.engine.sequence import RequestOutput, Sequence, TokenLogprob
 from workers.engine.step_cost import StepCostModel, StepRecord
 
 
@@ -48,6 +53,7 @@ class LLMEngine:
         self.step_records: deque[StepRecord] = deque(maxlen=max_step_records)
         self.step_cost = StepCostModel()
         self.num_background_requests = 0  # added with `yield_to_decode` (spilled prompts)
+        self.num_prompt_tokens_computed = 0  # prompt positions run through the model (recomputes too)
         self.requests: dict[str, Sequence] = {}  # unfinished, by request id
         self.reservations: dict[str, Sequence] = {}  # KV imports in flight, by transfer id
         self._pending: list[RequestOutput] = []  # ends decided outside step(), reported by the next one
@@ -84,9 +90,11 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already running")
         prompt = [int(t) for t in prompt_token_ids]
         self._check_fits(prompt, params)
-        return Sequence(request_id, prompt, params, seed if seed is not None else request_seed(params),
-                        processor=OutputProcessor(self.tokenizer, prompt, params, self.eos_token_ids,
-                                                  self.detokenize))
+        seq = Sequence(request_id, prompt, params, seed if seed is not None else request_seed(params),
+                       processor=OutputProcessor(self.tokenizer, prompt, params, self.eos_token_ids,
+                                                 self.detokenize))
+        seq.prompt_logprobs = new_prompt_logprobs(seq)
+        return seq
 
     def _check_fits(self, prompt: list[int], params: SamplingParams) -> None:
         if not prompt:
@@ -135,7 +143,8 @@ class LLMEngine:
             outputs = []
             batch = self.scheduler.schedule()
             if batch:
-                logits = self.runner.run(batch, self._exports(batch))
+                logits, prompt_logits = self.runner.run(batch, self._exports(batch))
+                self._add_prompt_logprobs(batch, prompt_logits)
                 sampling = [s for s in batch if s.needs_sample]
                 token_ids = self.sampler(logits, [self._sampling_row(s.seq) for s in sampling])
                 for s in batch:
@@ -144,6 +153,12 @@ class LLMEngine:
                 outputs = [self._append_token(s.seq, t) for s, t in zip(sampling, token_ids, strict=True)]
             self._record_step(batch, start_time, time.perf_counter() - t0)
             return outputs
+
+    def _add_prompt_logprobs(self, batch: list[ScheduledSeq], prompt_logits: list[torch.Tensor]) -> None:
+        for s, rows in zip(batch, prompt_logits, strict=True):
+            self.num_prompt_tokens_computed += max(0, min(s.end, s.seq.num_prompt_tokens) - s.start)
+            if len(rows):
+                add_prompt_logprobs(s.seq, prompt_positions(s.seq, s.start, s.end), rows)
 
     def _exports(self, batch: list[ScheduledSeq]) -> list[KVExport]:
         """Sinks of requests whose prompt completes this step, with the blocks to send."""
@@ -167,7 +182,13 @@ class LLMEngine:
 
     def _output(self, seq: Sequence, new_token_ids: list[int], text: str = "") -> RequestOutput:
         return RequestOutput(seq.request_id, new_token_ids, list(seq.output_token_ids), seq.is_finished,
-                             seq.finish_reason, text, seq.prompt_token_ids, seq.num_cached_tokens)
+                             seq.finish_reason, text, seq.prompt_token_ids, seq.num_cached_tokens,
+                             prompt_logprobs=self._prompt_logprobs(seq, new_token_ids))
+
+    @staticmethod
+    def _prompt_logprobs(seq: Sequence, new_token_ids: list[int]) -> list[TokenLogprob | None] | None:
+        """A sequence's prompt logprobs go with its first token only."""
+        return seq.prompt_logprobs if len(seq.output_token_ids) == len(new_token_ids) == 1 else None
 
     def _record_step(self, batch: list[ScheduledSeq], start_time: float, step_time_s: float) -> None:
         num_decode = sum(1 for s in batch if s.num_new_tokens == 1 and s.start >= s.seq.num_prompt_tokens)
@@ -234,13 +255,15 @@ class LLMEngine:
         reservation.layers_written.add(layer_idx)
 
     def commit_kv(self, reservation: KVReservation, request_id: str, params: SamplingParams,
-                  first_token_id: int, *, seed: int | None = None) -> None:
+                  first_token_id: int, *, seed: int | None = None,
+                  prompt_logprobs: list[TokenLogprob | None] | None = None) -> None:
         """Turn a fully written reservation into a request that decodes as if prefilled here.
 
         `first_token_id` (sampled by the prefill worker) is appended as output token 0 and
         reported by the next `step()` as the request's first output, its text made by the
         request's own detokenizer and stop rules, exactly as for a token sampled here: a
-        stop string or `max_tokens=1` can end the request on it.
+        stop string or `max_tokens=1` can end the request on it. `prompt_logprobs` (computed
+        where the prompt was) ride on that first output.
         """
         with self._lock:
             missing = set(range(self.layout.num_layers)) - reservation.layers_written
@@ -255,6 +278,8 @@ class LLMEngine:
             seq.block_ids, seq.num_hashed_blocks = held.block_ids, held.num_hashed_blocks
             seq.num_computed_tokens = seq.num_prompt_tokens
             seq.num_cached_tokens = held.num_cached_tokens
+            if params.prompt_logprobs is not None:
+                seq.prompt_logprobs = prompt_logprobs
             self.block_manager.cache_full_blocks(seq)
             self.requests[request_id] = seq
             self.scheduler.add(seq)
@@ -276,6 +301,7 @@ class LLMEngine:
             "prefix_cache_hits": self.block_manager.num_hit_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_background_requests": self.num_background_requests,
+            "num_prompt_tokens_computed": self.num_prompt_tokens_computed,
             "kv_blocks_free": self.block_manager.num_free_blocks,
             "kv_blocks_total": self.block_manager.num_blocks,
             "num_running": len(self.scheduler.running),

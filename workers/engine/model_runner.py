@@ -3,7 +3,8 @@
 All scheduled tokens are packed into one row (batch dim 1) with explicit `position_ids`;
 `use_cache=False` keeps transformers' DynamicCache out, the paged attention function
 reads and writes our own cache, and only the last token of each sequence that samples
-this step goes through `lm_head`.
+this step goes through `lm_head` (plus, for a request that asks for prompt logprobs, the
+prompt positions it computes this step).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from workers.engine.attention import (
     register_paged_attention,
 )
 from workers.engine.kv_cache import KVCache, auto_num_blocks, layout_from_config
+from workers.engine.prompt_logprobs import prompt_positions
 from workers.engine.scheduler import ScheduledSeq
 from workers.engine.sdpa_backend import SdpaBackend
 
@@ -54,16 +56,22 @@ class ModelRunner:
         return self.config.max_position_embeddings
 
     @torch.inference_mode()
-    def run(self, batch: list[ScheduledSeq], exports: list[KVExport]) -> torch.Tensor:
-        """Compute `batch`; returns float32 logits `[num_sampling_seqs, vocab]` in batch order."""
+    def run(self, batch: list[ScheduledSeq], exports: list[KVExport]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Compute `batch`; returns float32 logits `[num_sampling_seqs, vocab]` in batch order,
+        and per batch entry the logits of its `prompt_positions` (most often none)."""
         meta = self._metadata(batch, exports)
         self.backend.prepare(meta)
         positions = torch.cat([torch.arange(s.start, s.end) for s in batch]).to(self.device)
         input_ids = torch.tensor([t for s in batch for t in s.seq.token_ids[s.start:s.end]],
                                  dtype=torch.long, device=self.device)
+        sample_idx = self._sample_positions(batch)
+        prompt_idx = self._prompt_positions(batch)
+        keep = torch.tensor(sample_idx + [i for idx in prompt_idx for i in idx], dtype=torch.long, device=self.device)
         out = self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
-                         logits_to_keep=self._sample_positions(batch), attn_metadata=meta)
-        return out.logits[0].float()
+                         logits_to_keep=keep, attn_metadata=meta)
+        logits = out.logits[0].float()
+        prompt_logits = logits[len(sample_idx):].split([len(idx) for idx in prompt_idx])
+        return logits[:len(sample_idx)], list(prompt_logits)
 
     def _metadata(self, batch: list[ScheduledSeq], exports: list[KVExport]) -> AttentionMetadata:
         query_lens = [s.num_new_tokens for s in batch]
@@ -83,11 +91,17 @@ class ModelRunner:
                  for s in batch for pos in range(s.start, s.end)]
         return torch.tensor(slots, dtype=torch.long, device=self.device)
 
-    def _sample_positions(self, batch: list[ScheduledSeq]) -> torch.Tensor:
+    def _sample_positions(self, batch: list[ScheduledSeq]) -> list[int]:
         """Packed index of the last token of every sequence that samples this step."""
         ends, total = [], 0
         for s in batch:
             total += s.num_new_tokens
             if s.needs_sample:
                 ends.append(total - 1)
-        return torch.tensor(ends, dtype=torch.long, device=self.device)
+        return ends
+
+    def _prompt_positions(self, batch: list[ScheduledSeq]) -> list[list[int]]:
+        """Per batch entry, the packed indices of the prompt positions whose logprobs it wants."""
+        starts = [0, *itertools.accumulate(s.num_new_tokens for s in batch)]
+        return [[first + p - s.start for p in prompt_positions(s.seq, s.start, s.end)]
+                for first, s in zip(starts, batch, strict=False)]

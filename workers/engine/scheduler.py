@@ -133,7 +133,9 @@ class Scheduler:
             if _is_background(seq) != background:
                 break  # background ones sort last: none (or no more) of the kind asked for
             is_fresh = not seq.block_ids  # imported KV arrives holding its blocks already
-            if is_fresh:
+            # A prompt whose logprobs are wanted is computed whole (a cached block has KV
+            # but no logits); its blocks still register in the prefix cache.
+            if is_fresh and not seq.wants_prompt_logprobs:
                 self.block_manager.match_prefix(seq)
             decoding = decoding or seq.is_decoding  # an imported prompt decodes at once
             num_new = self._chunk(seq, budget, decoding)

@@ -41,6 +41,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     arrival: int = field(default_factory=lambda: next(_arrival_counter))
+    # With `params.prompt_logprobs`: the prompt's entries computed so far ([None] for the
+    # first token, then one per computed position), until the first output reports them.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     _block_hashes: list[int] = field(default_factory=list, repr=False)
 
     @property
@@ -69,6 +72,11 @@ class Sequence:
     def is_decoding(self) -> bool:
         """Its next step computes one generated token (not part of a prompt)."""
         return self.num_uncomputed_tokens == 1 and self.num_computed_tokens >= self.num_prompt_tokens
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prompt logprobs are still to be computed or reported (before the first token)."""
+        return self.params.prompt_logprobs is not None and not self.output_token_ids
 
     @property
     def is_finished(self) -> bool:
