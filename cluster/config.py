@@ -169,7 +169,7 @@ class WorkloadProfile(_Strict):
 
 class LimitsConfig(_Strict):
     default_max_tokens: int = Field(default=256, ge=1)
-    max_tokens_limit: int = Field(default=4096, ge=1)  # a larger request is capped to this
+    max_tokens_limit: int = Field(default=4096, ge=1)  # a larger max_tokens is a 400 naming this limit
 
     @model_validator(mode="after")
     def _default_within_limit(self) -> LimitsConfig:

@@ -48,6 +48,14 @@ class APIError(Exception):
                    code=err.get("code"), type_=err.get("type"))
 
 
+class FieldError(ValueError):
+    """A request model's check across fields, naming the field the client should change."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 
@@ -60,6 +68,17 @@ def context_length_exceeded(prompt_len: int, max_len: int) -> APIError:
     return APIError(400, f"This model's maximum context length is {max_len} tokens; the prompt "
                     f"has {prompt_len} tokens and at least one more is needed to generate",
                     param="prompt", code="context_length_exceeded")
+
+
+def max_tokens_over_limit(param: str, wanted: int, limit: int) -> APIError:
+    return APIError(400, f"{param}: {wanted} is more than this server's limit of {limit} tokens "
+                    "(limits.max_tokens_limit)", param=param, code="invalid_value")
+
+
+def max_tokens_over_context(param: str, wanted: int, prompt_len: int, max_len: int) -> APIError:
+    return APIError(400, f"This model's maximum context length is {max_len} tokens; you requested "
+                    f"{prompt_len + wanted} tokens ({prompt_len} in the prompt, {wanted} in {param}). "
+                    f"Reduce the prompt or {param}", param=param, code="context_length_exceeded")
 
 
 def body_too_large(limit: int) -> APIError:
@@ -77,6 +96,9 @@ def from_validation_error(error: ValidationError | RequestValidationError) -> AP
         return bad_request("Invalid request")
     first = items[0]
     loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, FieldError):  # a check across fields names the one to change
+        loc.append(cause.param)
     # Drop pydantic's union-branch labels (`str`, `list[int]`) from the parameter path.
     param = ".".join(p for p in loc if not _is_type_label(p)) or None
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")

@@ -22,17 +22,21 @@ from pydantic import ValidationError
 from ray import serve
 
 from cluster.config import ClusterConfig, WorkloadProfile, load_config
-from router import admin, admission, dispatch, metrics, sse, streaming
+from router import admin, admission, dispatch, metrics, sse, streaming, tokenizer_api
 from router.api_keys import ApiKeys
 from router.cluster_view import ClusterView
 from router.errors import (
     bad_request,
     context_length_exceeded,
     from_validation_error,
+    max_tokens_over_context,
+    max_tokens_over_limit,
     model_not_found,
 )
 from router.http_errors import install_handlers
+from router.logprob_format import TokenTexts
 from router.middleware import RequestIdMiddleware, read_json
+from router.openai_fields import refused_field
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from router.profiles import Profiles, client_mode
 from router.prompting import PromptBuilder
@@ -49,11 +53,39 @@ METRICS_PUSH_INTERVAL_S = 2.0
 def _parse(kind: str, body: Any) -> CompletionRequest | ChatCompletionRequest:
     if not isinstance(body, dict):
         raise bad_request("The body must be a JSON object")
+    refused = refused_field(kind, body)
+    if refused is not None:
+        raise refused
     model = ChatCompletionRequest if kind == "chat" else CompletionRequest
     try:
         return model.model_validate(body)
     except ValidationError as e:
         raise from_validation_error(e) from None
+
+
+def _validate_guided(guided, tokenizer) -> None:
+    """A 400 naming the problem when the grammar library cannot take the constraint."""
+    try:
+        from workers.engine.grammar import validate_guided
+    except ImportError:
+        raise bad_request("response_format: structured outputs are unavailable on this server",
+                          param="response_format") from None
+    try:
+        validate_guided(guided, tokenizer)
+    except ValueError as e:
+        raise bad_request(f"response_format: {e}", param="response_format") from None
+
+
+async def _start_all(callers, view, drafts: list) -> list:
+    """Start every draft's call at once; if one fails, close the others and raise."""
+    results = await asyncio.gather(*(dispatch.start(callers, view, d) for d in drafts), return_exceptions=True)
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed:
+        for r in results:
+            if not isinstance(r, BaseException):
+                r.close()
+        raise failed[0]
+    return list(results)
 
 
 def _pool_status(cluster: ClusterView, role: str, enabled: bool) -> dict[str, Any]:
@@ -86,6 +118,7 @@ class Router:
         self.control_plane = control_plane
         self.model = self.config.model.served_name
         self.prompts = PromptBuilder(resolve_model_path(self.config.model), self.config.model.max_model_len)
+        self.texts = TokenTexts(self.prompts.tokenizer)
         engine = self.config.engine_for("decode")
         self.view = ClusterView(engine.block_size, engine.max_num_seqs, self.config.router.prefix_index_blocks)
         self.profiles = Profiles(0, dict(self.config.workloads))
@@ -167,10 +200,13 @@ class Router:
     async def _generate_admitted(self, request: Request, kind: str, key, arrival: float) -> Response:
         body = await read_json(request, self.config.router.max_body_bytes)
         req = _parse(kind, body)
-        if req.model is not None and req.model != self.model:
-            raise model_not_found(req.model)
-        prompt_ids = self.prompts.chat_ids(req) if kind == "chat" else self.prompts.completion_ids(req)
-        params = req.sampling_params(self._max_tokens(req, len(prompt_ids)))
+        self._check_model(req.model)
+        if kind == "chat":
+            prompts = [(self.prompts.chat_ids(req), "")]
+        else:
+            prompts = [(self.prompts.prompt_ids(p), self.prompts.prompt_text(p) if req.echo else "")
+                       for p in req.prompts]
+        self._check_vocabulary_fields(req)
         workload = self.profiles.resolve(request.headers.get("x-workload"), key.workload if key else None,
                                          self.config.model.workload)
         profile = self.profiles.get(workload)
@@ -178,32 +214,79 @@ class Router:
         if not self.view.replicas:
             await self._refresh()  # first requests after a (re)start: do not wait for the poll
         request_id = request.state.request_id
-        draft = dispatch.RequestDraft(
-            request_id=request_id, prompt_ids=prompt_ids, params=params,
-            seed=req.seed if req.seed is not None else random.getrandbits(31),
-            workload=workload, profile=profile, forced_mode=forced,
+        seed = req.seed if req.seed is not None else random.getrandbits(31)
+        drafts = [dispatch.RequestDraft(
+            request_id=request_id if len(prompts) == 1 else f"{request_id}-{i}", prompt_ids=ids,
+            params=req.sampling_params(self._max_tokens(req, len(ids))),
+            seed=seed, workload=workload, profile=profile, forced_mode=forced,
             offload_to_prefill=self.config.router.offload_local_to_prefill,
             prefill_timeout_s=self.config.router.prefill_timeout_s,
-            first_chunk_timeout_s=self.config.router.request_timeout_s)
-        call = await dispatch.start(dispatch.Callers(self.handles, self.streams), self.view, draft)
-        self.metrics.record_route(call.route, call.reason, workload)
-        self.metrics.record_worker_call(call.path)
-        headers = {"x-pd-route": call.route, "x-pd-reason": call.reason}
-        shape = ResponseShape(kind, request_id, self.model, req.return_token_ids)
-        timing = streaming.Timing(self.metrics, call.route, workload, arrival)
+            first_chunk_timeout_s=self.config.router.request_timeout_s) for i, (ids, _) in enumerate(prompts)]
+        calls = await _start_all(dispatch.Callers(self.handles, self.streams), self.view, drafts)
+        for call in calls:
+            self.metrics.record_route(call.route, call.reason, workload)
+            self.metrics.record_worker_call(call.path)
+        runs = [streaming.PromptRun(i, ids, text, call) for i, ((ids, text), call) in enumerate(zip(prompts, calls, strict=True))]
+        headers = {"x-pd-route": calls[0].route, "x-pd-reason": calls[0].reason}
+        shape = ResponseShape(
+            kind, request_id, self.model, self.texts, req.return_token_ids, n=req.n,
+            logprobs=req.logprob_counts()[0] is not None, echo=kind != "chat" and req.echo,
+            drop_generated=req.max_tokens == 0)
+        timing = streaming.Timing(self.metrics, calls[0].route, workload, arrival)
         if req.stream:
-            chunks = streaming.stream_sse(call, shape, prompt_ids, req.include_usage, timing)
+            chunks = streaming.stream_sse(runs, shape, req.include_usage, timing)
             return StreamingResponse(chunks, media_type=sse.MEDIA_TYPE, headers={**sse.HEADERS, **headers})
-        return await streaming.collect_json(call, shape, prompt_ids, timing, headers)
+        return await streaming.collect_json(runs, shape, timing, headers)
+
+    def _check_vocabulary_fields(self, req) -> None:
+        """What needs the tokenizer: logit bias ids in the vocabulary, a constraint it can express."""
+        bad = [t for t in (req.logit_bias or {}) if int(t) >= self.prompts.vocab_size]
+        if bad:
+            raise bad_request(f"logit_bias: token id {bad[0]} is outside the vocabulary "
+                              f"(size {self.prompts.vocab_size})", param="logit_bias")
+        guided = req.guided()
+        if guided is not None:
+            _validate_guided(guided, self.prompts.tokenizer)
 
     def _max_tokens(self, req, prompt_len: int) -> int:
+        """What the engine generates: the client's `max_tokens` when the server's limit and
+        the context allow it (else a 400 naming the limit), the configured default when
+        absent (capped to what the context leaves); a `max_tokens` of 0 (echo only) runs 1."""
         limits, max_len = self.config.limits, self.prompts.max_model_len
         if prompt_len >= max_len:
             raise context_length_exceeded(prompt_len, max_len)
-        if req.max_tokens is not None and req.min_tokens > req.max_tokens:
+        room = max_len - prompt_len
+        if req.max_tokens is None:
+            return max(1, min(limits.default_max_tokens, limits.max_tokens_limit, room))
+        if req.max_tokens > limits.max_tokens_limit:
+            raise max_tokens_over_limit(req.max_tokens_param, req.max_tokens, limits.max_tokens_limit)
+        if req.max_tokens > room:
+            raise max_tokens_over_context(req.max_tokens_param, req.max_tokens, prompt_len, max_len)
+        if req.min_tokens > req.max_tokens:
             raise bad_request("min_tokens: must be <= max_tokens", param="min_tokens")
-        wanted = req.max_tokens if req.max_tokens is not None else limits.default_max_tokens
-        return max(1, min(wanted, limits.max_tokens_limit, max_len - prompt_len))
+        return max(1, req.max_tokens)
+
+    # ---- tokenizer --------------------------------------------------------------------
+
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request) -> JSONResponse:
+        self._authenticate(request)
+        req = tokenizer_api.parse(tokenizer_api.TokenizeRequest,
+                                  await read_json(request, self.config.router.max_body_bytes))
+        self._check_model(req.model)
+        return JSONResponse(tokenizer_api.tokenize(self.prompts, req))
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request) -> JSONResponse:
+        self._authenticate(request)
+        req = tokenizer_api.parse(tokenizer_api.DetokenizeRequest,
+                                  await read_json(request, self.config.router.max_body_bytes))
+        self._check_model(req.model)
+        return JSONResponse(tokenizer_api.detokenize(self.prompts, req))
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model:
+            raise model_not_found(model)
 
     def _authenticate(self, request: Request):
         if self.api_keys is None:

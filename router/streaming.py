@@ -1,19 +1,36 @@
-"""Turning a worker call into the HTTP answer: an SSE stream or one JSON body, with the
-router's TTFT / ITL / E2E observations on the way."""
+"""Turning a request's worker calls into the HTTP answer: an SSE stream or one JSON body,
+with the router's TTFT / ITL / E2E observations on the way.
+
+A completions request with several prompts runs one call per prompt, concurrently; their
+chunks are interleaved as they come (each names its choice by `index`)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
 
 from router import dispatch, metrics, sse
 from router.errors import APIError
 from router.http_errors import error_response
-from router.responses import ResponseShape
+from router.responses import ChoiceState, ResponseShape
+from workers.protocol import GenerateChunk
 
 log = logging.getLogger("pdcluster.router")
+
+
+@dataclass
+class PromptRun:
+    """One prompt of the request and the worker call that runs it."""
+
+    index: int  # the prompt's position in the request
+    prompt_ids: list[int]
+    prompt_text: str
+    call: dispatch.Call
 
 
 class Timing:
@@ -54,25 +71,79 @@ async def all_chunks(call: dispatch.Call):
         yield chunk
 
 
-async def stream_sse(call: dispatch.Call, shape: ResponseShape, prompt_ids: list[int], include_usage: bool,
-                  timing: Timing):
-    num_tokens, ok = 0, False
+async def merged_chunks(runs: list[PromptRun]) -> AsyncIterator[tuple[PromptRun, GenerateChunk]]:
+    """Every run's chunks, each run's in order, interleaved as they arrive."""
+    if len(runs) == 1:
+        async for chunk in all_chunks(runs[0].call):
+            yield runs[0], chunk
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(run: PromptRun) -> None:
+        try:
+            async for chunk in all_chunks(run.call):
+                await queue.put((run, chunk, None))
+        except Exception as e:  # noqa: BLE001 - handed to the reader
+            await queue.put((run, None, e))
+        await queue.put((run, None, None))
+
+    tasks = [asyncio.create_task(pump(run)) for run in runs]
+    try:
+        num_open = len(runs)
+        while num_open:
+            run, chunk, error = await queue.get()
+            if error is not None:
+                raise error
+            if chunk is None:
+                num_open -= 1
+                continue
+            yield run, chunk
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def close_all(runs: list[PromptRun]) -> None:
+    for run in runs:
+        run.call.close()
+
+
+def _states(runs: list[PromptRun], n: int) -> dict[int, ChoiceState]:
+    return {run.index * n + j: ChoiceState(run.index * n + j, run.prompt_ids, run.prompt_text)
+            for run in runs for j in range(n)}
+
+
+def _state_for(states: dict[int, ChoiceState], run: PromptRun, chunk: GenerateChunk, n: int) -> ChoiceState:
+    index = run.index * n + chunk.index
+    if index not in states:  # best_of > n: the engine reports only the n returned
+        states[index] = ChoiceState(index, run.prompt_ids, run.prompt_text)
+    return states[index]
+
+
+def _num_prompt_tokens(runs: list[PromptRun]) -> int:
+    return sum(len(run.prompt_ids) for run in runs)
+
+
+async def stream_sse(runs: list[PromptRun], shape: ResponseShape, include_usage: bool, timing: Timing):
+    states = _states(runs, shape.n)
+    prompt_ids_once = runs[0].prompt_ids if len(runs) == 1 else None
+    ok = False
     try:
         if shape.kind == "chat":
-            yield sse.event(shape.role_chunk(prompt_ids))
-            prompt_ids_once = None
-        else:
-            prompt_ids_once = prompt_ids
-        async for chunk in all_chunks(call):
+            for index in sorted(states):
+                yield sse.event(shape.role_chunk(index, prompt_ids_once))
+                prompt_ids_once = None
+        async for run, chunk in merged_chunks(runs):
             if chunk.error is not None:
                 yield sse.error_events({"error": chunk.error})
                 return
             if chunk.token_ids or chunk.text:
                 timing.content()
-            num_tokens += len(chunk.token_ids)
+            state = _state_for(states, run, chunk, shape.n)
+            piece = shape.piece(state, chunk)
             finish = chunk.finish_reason if chunk.finished else None
-            if chunk.text or finish or (shape.return_token_ids and chunk.token_ids):
-                yield sse.event(shape.chunk(chunk.text, chunk.token_ids, finish, prompt_ids_once))
+            if piece.text or finish or piece.logprobs or (shape.return_token_ids and piece.token_ids):
+                yield sse.event(shape.chunk(state.index, piece, finish, prompt_ids_once))
                 prompt_ids_once = None
             timing.record()  # after the event went out
         ok = True
@@ -82,32 +153,31 @@ async def stream_sse(call: dispatch.Call, shape: ResponseShape, prompt_ids: list
                                         code="replica_failed").body())
         return
     finally:
-        call.close()
+        close_all(runs)
         if ok:
             timing.finish()
     if include_usage:
-        yield sse.usage_chunk(shape.base(), len(prompt_ids), num_tokens)
+        num_generated = sum(len(s.token_ids) for s in states.values())
+        yield sse.usage_chunk(shape.base(), _num_prompt_tokens(runs), num_generated)
     yield sse.DONE
 
 
-async def collect_json(call: dispatch.Call, shape: ResponseShape, prompt_ids: list[int], timing: Timing,
-                   headers: dict[str, str]) -> JSONResponse:
-    texts: list[str] = []
-    token_ids: list[int] = []
-    finish_reason = None
+async def collect_json(runs: list[PromptRun], shape: ResponseShape, timing: Timing,
+                       headers: dict[str, str]) -> JSONResponse:
+    states = _states(runs, shape.n)
     try:
-        async for chunk in all_chunks(call):
+        async for run, chunk in merged_chunks(runs):
             if chunk.error is not None:
                 status = dispatch.error_status(chunk.error)
                 return error_response(APIError.from_body(status, {"error": chunk.error}), headers)
             if chunk.token_ids or chunk.text:
                 timing.content()
-            texts.append(chunk.text)
-            token_ids.extend(chunk.token_ids)
-            finish_reason = chunk.finish_reason or finish_reason
+            shape.piece(_state_for(states, run, chunk, shape.n), chunk)
     except dispatch.WORKER_FAILURES as e:
         raise APIError(503, f"The serving replica failed: {type(e).__name__}", code="replica_failed") from None
     finally:
-        call.close()
+        close_all(runs)
     timing.finish()
-    return JSONResponse(shape.final("".join(texts), token_ids, finish_reason, prompt_ids), headers=headers)
+    prompt_ids = runs[0].prompt_ids if len(runs) == 1 else None
+    body = shape.final(list(states.values()), _num_prompt_tokens(runs), prompt_ids)
+    return JSONResponse(body, headers=headers)

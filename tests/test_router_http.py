@@ -144,11 +144,14 @@ def test_streaming_completion_equals_non_streaming(client):
     assert chunks[0]["prompt_token_ids"] == whole["prompt_token_ids"]
 
 
-def test_max_tokens_defaulted_and_capped(client):
+def test_max_tokens_defaulted_and_over_the_limit_refused(client):
     default = complete(client, ignore_eos=True).json()
     assert default["usage"]["completion_tokens"] == 4
-    capped = complete(client, ignore_eos=True, max_tokens=1000).json()
-    assert capped["usage"]["completion_tokens"] == 6
+    at_limit = complete(client, ignore_eos=True, max_tokens=6).json()
+    assert at_limit["usage"]["completion_tokens"] == 6
+    over = complete(client, ignore_eos=True, max_tokens=7)
+    assert_openai_error(over, 400)
+    assert over.json()["error"]["param"] == "max_tokens" and "6" in over.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(
@@ -158,7 +161,7 @@ def test_max_tokens_defaulted_and_capped(client):
         ("/v1/completions", b"\xff\xfe", 400, None),
         ("/v1/completions", b"[1, 2]", 400, None),
         ("/v1/completions", json.dumps({"prompt": 5}).encode(), 400, None),
-        ("/v1/completions", json.dumps({"prompt": "x", "n": 3}).encode(), 400, None),
+        ("/v1/completions", json.dumps({"prompt": "x", "n": 0}).encode(), 400, None),
         ("/v1/completions", json.dumps({"prompt": [10**6]}).encode(), 400, None),
         ("/v1/completions", json.dumps({"prompt": "x", "model": "gpt-9"}).encode(), 404, "model_not_found"),
         ("/v1/completions", json.dumps({"prompt": "x" * 4200}).encode(), 400, "context_length_exceeded"),

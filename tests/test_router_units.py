@@ -34,7 +34,18 @@ def test_valid_requests():
     chat = parse("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}],
                           "max_completion_tokens": 3, "return_token_ids": True, "ignore_eos": True})
     assert chat.max_tokens == 3 and chat.template_messages() == [{"role": "user", "content": "a"}]
-    assert parse("completion", {"prompt": ["one"]}).prompt == "one"
+    assert parse("completion", {"prompt": ["one"]}).prompts == ["one"]
+    assert parse("completion", {"prompt": [[1, 2], [3]]}).prompts == [[1, 2], [3]]
+    echo = parse("completion", {"prompt": "x", "echo": True, "logprobs": 1, "max_tokens": 0, "n": 2})
+    params = echo.sampling_params(1)
+    assert (params.logprobs, params.prompt_logprobs, params.n) == (1, 1, 2)
+    chat = parse("chat", {"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 2,
+                          "frequency_penalty": 0.5, "logit_bias": {"7": -100}, "user": "u", "metadata": {},
+                          "response_format": {"type": "json_schema",
+                                              "json_schema": {"name": "o", "schema": {"type": "object"}}}})
+    params = chat.sampling_params(4)
+    assert (params.logprobs, params.frequency_penalty, params.logit_bias) == (2, 0.5, ((7, -100.0),))
+    assert params.guided.kind == "json_schema" and json.loads(params.guided.spec) == {"type": "object"}
 
 
 @pytest.mark.parametrize(
@@ -43,15 +54,23 @@ def test_valid_requests():
         ("completion", {}, "prompt"),
         ("completion", {"prompt": ""}, "prompt"),
         ("completion", {"prompt": [-1]}, "prompt"),
-        ("completion", {"prompt": ["a", "b"]}, "prompt"),
-        ("completion", {"prompt": "x", "n": 2}, "n"),
+        ("completion", {"prompt": ["a", ""]}, "prompt"),
+        ("completion", {"prompt": "x", "n": 0}, "n"),
         ("completion", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ("completion", {"prompt": "x", "suffix": "y"}, "suffix"),
+        ("completion", {"prompt": "x", "best_of": 3, "stream": True}, "best_of"),
+        ("completion", {"prompt": "x", "frequency_penalty": 3}, "frequency_penalty"),
+        ("completion", {"prompt": "x", "logit_bias": {"x": 1}}, "logit_bias"),
+        ("chat", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+        ("chat", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, "tool_choice"),
+        ("chat", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+        ("chat", {"messages": [{"role": "user"}]}, "messages.0.content"),
         ("completion", {"prompt": "x", "max_tokens": "5"}, "max_tokens"),
         ("completion", {"prompt": "x", "temperature": -1}, "temperature"),
         ("completion", {"prompt": "x", "top_p": 0}, "top_p"),
         ("completion", {"prompt": "x", "seed": 2**70}, "seed"),
         ("completion", {"prompt": "x", "stream": "yes"}, "stream"),
-        ("completion", {"prompt": "x", "logprobs": 3}, "logprobs"),
+        ("completion", {"prompt": "x", "logprobs": 21}, "logprobs"),
         ("completion", {"prompt": "x", "stop": [""]}, "stop"),
         ("completion", {"prompt": "x", "stop_token_ids": [-3]}, "stop_token_ids"),
         ("chat", {"messages": []}, "messages"),
@@ -76,7 +95,9 @@ json_values = st.recursive(
 )
 fields = st.sampled_from(["prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed",
                           "stop", "stream", "stream_options", "n", "min_tokens", "stop_token_ids",
-                          "ignore_eos", "return_token_ids", "model", "logprobs", "echo"])
+                          "ignore_eos", "return_token_ids", "model", "logprobs", "echo", "best_of",
+                          "frequency_penalty", "logit_bias", "response_format", "guided_choice",
+                          "top_logprobs", "suffix", "tools"])
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -274,28 +295,99 @@ class _FakeStream:
         self.cancelled = True
 
 
-def _run_stream(chunks, include_usage=True):
-    import asyncio
+def _shape(kind="completion", **options):
+    from router.logprob_format import TokenTexts
+    from router.responses import ResponseShape
+    from workers.model_files import build_tokenizer
 
+    return ResponseShape(kind, "r1", "tiny", TokenTexts(build_tokenizer()), **options)
+
+
+def _runs(view, *chunk_lists, prompt_ids=(1, 2), prompt_text="ab"):
     from router import dispatch, streaming
     from router.placement import Placement
     from router.policy import RouteDecision
-    from router.responses import ResponseShape
+
+    runs = []
+    for i, chunks in enumerate(chunk_lists):
+        placement = Placement("decode", f"d{i}", None, RouteDecision("local", "short-prompt"), 0)
+        view.begin(placement)
+        call = dispatch.Call(placement, _FakeStream(chunks[1:]), chunks[0], view)
+        runs.append(streaming.PromptRun(i, list(prompt_ids), prompt_text, call))
+    return runs
+
+
+def _run_stream(chunks, include_usage=True, shape=None):
+    import asyncio
+
+    from router import streaming
 
     view = ClusterView(16, 8)
-    placement = Placement("decode", "d1", None, RouteDecision("local", "short-prompt"), 0)
-    view.begin(placement)
-    stream = _FakeStream(chunks[1:])
-    call = dispatch.Call(placement, stream, chunks[0], view)
+    runs = _runs(view, chunks)
     timing = streaming.Timing(metrics.RouterMetrics("tiny"), "local", "default", 0.0)
 
     async def consume():
-        return [e async for e in streaming.stream_sse(call, ResponseShape("completion", "r1", "tiny"),
-                                                      [1, 2], include_usage, timing)]
+        return [e async for e in streaming.stream_sse(runs, shape or _shape(), include_usage, timing)]
 
     events = "".join(asyncio.run(consume()))
     assert view.inflight == {}  # the call was released
-    return events, stream
+    return events, runs[0].call.stream
+
+
+def _collect(shape, *chunk_lists, **run_options):
+    import asyncio
+
+    from router import streaming
+
+    view = ClusterView(16, 8)
+    runs = _runs(view, *chunk_lists, **run_options)
+    timing = streaming.Timing(metrics.RouterMetrics("tiny"), "local", "default", 0.0)
+    response = asyncio.run(streaming.collect_json(runs, shape, timing, {}))
+    assert view.inflight == {}
+    return json.loads(response.body)
+
+
+def test_echo_with_logprobs_has_lm_eval_shape_and_drops_the_extra_token():
+    """lm-eval's local-completions reads token_logprobs[ctxlen:-1] of each choice, in index order."""
+    from workers.engine.sequence import TokenLogprob
+    from workers.protocol import GenerateChunk
+
+    prompt = [TokenLogprob(98, -0.5, ((97, -0.1),))]
+    def chunks(token):
+        return [GenerateChunk(token_ids=[token], text=chr(token), finished=True, finish_reason="length",
+                              route="local", logprobs=[TokenLogprob(token, -1.0, ((token, -1.0),))],
+                              prompt_logprobs=[None, *prompt])]
+    body = _collect(_shape(logprobs=True, echo=True), chunks(99), chunks(100), prompt_ids=(97, 98),
+                    prompt_text="ab")
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    first = body["choices"][0]
+    assert first["text"] == "abc"
+    assert first["logprobs"] == {"tokens": ["a", "b", "c"], "token_logprobs": [None, -0.5, -1.0],
+                                 "top_logprobs": [None, {"a": -0.1}, {"c": -1.0}], "text_offset": [0, 1, 2]}
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
+    only_prompt = _collect(_shape(logprobs=True, echo=True, drop_generated=True), chunks(99), prompt_ids=(97, 98))
+    assert only_prompt["choices"][0]["text"] == "ab"
+    assert only_prompt["choices"][0]["logprobs"]["token_logprobs"] == [None, -0.5]
+    assert only_prompt["usage"]["completion_tokens"] == 0
+
+
+def test_chat_logprobs_shape_and_n_choices():
+    from workers.engine.sequence import TokenLogprob
+    from workers.protocol import GenerateChunk
+
+    chunks = [GenerateChunk(token_ids=[104], text="h", route="local", index=1,
+                            logprobs=[TokenLogprob(104, -0.25, ((104, -0.25), (105, -2.0)))]),
+              GenerateChunk(token_ids=[105], text="i", index=0, finished=True, finish_reason="length",
+                            logprobs=[TokenLogprob(105, -0.5, ())]),
+              GenerateChunk(finished=True, finish_reason="length", index=1)]
+    body = _collect(_shape("chat", logprobs=True, n=2), chunks)
+    one = body["choices"][1]
+    assert one["index"] == 1 and one["message"]["content"] == "h" and one["finish_reason"] == "length"
+    assert one["logprobs"] == {"content": [
+        {"token": "h", "logprob": -0.25, "bytes": [104],
+         "top_logprobs": [{"token": "h", "logprob": -0.25, "bytes": [104]},
+                          {"token": "i", "logprob": -2.0, "bytes": [105]}]}]}
+    assert body["choices"][0]["message"]["content"] == "i"
 
 
 def test_sse_error_after_start_is_one_event_then_done():
