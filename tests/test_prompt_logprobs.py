@@ -4,6 +4,7 @@ preemption, or on another engine whose KV was imported."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import pytest
@@ -12,7 +13,11 @@ from transformers import AutoModelForCausalLM
 
 from tests.engine_support import greedy, make_engine_fixture, random_prompts  # noqa: F401
 from tests.test_engine_kv_transfer import CollectingSink, finish, import_kv
-from workers.engine import SamplingParams
+from workers.async_engine import AsyncEngine
+from workers.engine import LLMEngine, SamplingParams
+from workers.engine.sequence import TokenLogprob
+from workers.protocol import PrefillResult
+from workers.stream.wire import StreamCodec, prefill_result_from_wire, to_wire
 
 K = 3
 
@@ -125,3 +130,43 @@ def test_remote_prefill_computes_them_and_the_decode_engine_reports_them(make_en
     first = first_output(decode, "d")
     assert first.prompt_logprobs == computed
     assert first.token_ids == make_engine().generate([prompt], params)[0].token_ids[:1]
+
+
+def test_prefill_result_carries_them_over_the_worker_stream():
+    entries = [None, TokenLogprob(5, -1.25, ((5, -1.25), (9, -2.5))), TokenLogprob(7, -0.5, ())]
+    codec = StreamCodec("k" * 32)
+    raw = codec.open(codec.seal({"t": "chunk", "r": to_wire(PrefillResult(3, 100, 0.5, entries))}))["r"]
+    assert prefill_result_from_wire(raw) == PrefillResult(3, 100, 0.5, entries)
+    assert prefill_result_from_wire(to_wire(PrefillResult(0, 1, 0.1))).prompt_logprobs is None
+
+
+def test_async_engines_hand_them_from_prefill_to_the_first_decode_chunk(tiny_model_dir, hf_model):
+    """The path a disaggregated request takes: the prefill replica's stream reports them
+    (the prefill call's reply), the decode replica's first chunk carries them."""
+    from tests.test_async_engine import _DirectSink, collect
+
+    prompt = random_prompts([37], seed=6)[0]
+    params = greedy(5, ignore_eos=True, prompt_logprobs=K)
+    prefill = AsyncEngine(LLMEngine(str(tiny_model_dir), device="cpu", num_kv_blocks=64,
+                                    max_num_batched_tokens=16))
+    decode = AsyncEngine(LLMEngine(str(tiny_model_dir), device="cpu", num_kv_blocks=64))
+
+    async def main():
+        res = await decode.reserve_kv("t1", prompt)
+        sink = _DirectSink(decode, res)
+        chunks = [c async for c in prefill.generate("p#0", prompt, dataclasses.replace(params, max_tokens=1),
+                                                    seed=0, kv_sink=sink)]
+        computed = chunks[0].prompt_logprobs
+        check(computed, hf_model, prompt)
+        stream = decode.generate_from_kv(res, "d#0", params, sink.first_token_id, 0, prompt_logprobs=computed)
+        first = await anext(stream)
+        assert first.prompt_logprobs == computed
+        _, _, last = await collect(stream)
+        assert last.finished and last.prompt_logprobs is None
+        await decode.check_integrity()
+
+    try:
+        asyncio.run(main())
+    finally:
+        prefill.shutdown()
+        decode.shutdown()

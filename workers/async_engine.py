@@ -33,7 +33,7 @@ from workers.protocol import GenerateChunk
 
 if TYPE_CHECKING:  # the engine module pulls in transformers; workers build it lazily
     from workers.engine.llm_engine import LLMEngine
-    from workers.engine.sequence import RequestOutput
+    from workers.engine.sequence import RequestOutput, TokenLogprob
 
 log = logging.getLogger(__name__)
 _nonce = itertools.count()
@@ -163,11 +163,13 @@ class AsyncEngine:
             return True
 
     def _commit(self, res: KVReservation, request_id: str, params: SamplingParams,
-                first_token_id: int, seed: int) -> None:
+                first_token_id: int, seed: int,
+                prompt_logprobs: list[TokenLogprob | None] | None = None) -> None:
         if not self._close(res):
             raise RuntimeError(f"reservation {res.transfer_id!r} already closed")
         try:
-            self.engine.commit_kv(res, request_id, params, first_token_id, seed=seed)
+            self.engine.commit_kv(res, request_id, params, first_token_id, seed=seed,
+                                  prompt_logprobs=prompt_logprobs)
         except BaseException:
             self.engine.cancel_kv(res)  # idempotent: frees the blocks unless commit took them
             raise
@@ -189,11 +191,14 @@ class AsyncEngine:
 
     async def generate_from_kv(self, reservation: KVReservation, request_id: str,
                                params: SamplingParams, first_token_id: int, seed: int, *,
+                               prompt_logprobs: list[TokenLogprob | None] | None = None,
                                deadline: float | None = None) -> AsyncIterator[GenerateChunk]:
         """Turn a fully received reservation into a running request and stream it. The
         first chunk is `first_token_id` (the prefill replica's token) with its text, the
-        engine's first output for the request (`LLMEngine.commit_kv`)."""
-        commit = lambda: self._commit(reservation, request_id, params, first_token_id, seed)  # noqa: E731
+        engine's first output for the request (`LLMEngine.commit_kv`), with `prompt_logprobs`
+        (from the prefill call's reply)."""
+        commit = lambda: self._commit(reservation, request_id, params, first_token_id, seed,  # noqa: E731
+                                      prompt_logprobs)
         async for chunk in self._stream(request_id, commit, deadline):
             yield chunk
 
@@ -232,6 +237,7 @@ class AsyncEngine:
                 raise item
             chunk.token_ids += item.new_token_ids
             chunk.text += item.text
+            chunk.prompt_logprobs = chunk.prompt_logprobs or item.prompt_logprobs
             chunk.finished, chunk.finish_reason = item.finished, item.finish_reason
             chunk.num_prompt_tokens = len(item.prompt_token_ids)
             chunk.num_cached_tokens = item.num_cached_tokens

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from ray import serve
 
 from workers.engine.kv_types import KVReservation
+from workers.engine.sequence import TokenLogprob
 from workers.engine_worker import EngineWorker
 from workers.kv_transport import make_receiver
 from workers.protocol import GenerateChunk, GenerateRequest, PrefillRequest
@@ -64,7 +65,7 @@ class DecodeWorker(EngineWorker):
 
     async def _disagg(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         try:
-            res, first_token_id = await self._remote_prefill(req)
+            res, first_token_id, prompt_logprobs = await self._remote_prefill(req)
         except RemotePrefillFailed as exc:
             log.warning("request %s: remote prefill failed (%s: %s); prefilling locally",
                         req.request_id, exc.reason, exc)
@@ -74,7 +75,7 @@ class DecodeWorker(EngineWorker):
         # The prefill replica's token is the engine's first output for the request.
         request_id = self.engine.new_request_id(req.request_id)
         stream = self.engine.generate_from_kv(res, request_id, req.params, first_token_id, req.seed,
-                                              deadline=req.deadline)
+                                              prompt_logprobs=prompt_logprobs, deadline=req.deadline)
         async for chunk in self.label_first(stream, req, "disagg", req.reason):
             yield chunk
 
@@ -83,11 +84,13 @@ class DecodeWorker(EngineWorker):
         if self.prefill_streams is not None:
             self.prefill_streams.close()
 
-    async def _remote_prefill(self, req: GenerateRequest) -> tuple[KVReservation, int]:
+    async def _remote_prefill(
+            self, req: GenerateRequest) -> tuple[KVReservation, int, list[TokenLogprob | None] | None]:
         """Returns (reservation, first token id) with every layer written, or raises
         RemotePrefillFailed having released everything it took. The first token id comes
         with the last layer, from the receiver: the commit need not wait for the prefill
-        call's reply."""
+        call's reply, unless the request asked for prompt logprobs, which come in that
+        reply (`PrefillResult.prompt_logprobs`) and are returned third."""
         can_call = self.prefill_handle is not None or (req.prefill_address and self.prefill_streams)
         if not can_call or not req.prefill_replica:
             raise RemotePrefillFailed("prefill-unhealthy", "no prefill replica")
@@ -105,6 +108,9 @@ class DecodeWorker(EngineWorker):
         call = self._call_prefill(req, transfer_id, res)
         try:
             first_token_id = await self._await_transfer(transfer_id, call, req.prefill_timeout_s)
+            prompt_logprobs = None
+            if req.params.prompt_logprobs is not None:
+                prompt_logprobs = await self._await_prompt_logprobs(call, req.prefill_timeout_s)
         except BaseException:
             with contextlib.suppress(Exception):
                 self.receiver.cancel(transfer_id)
@@ -112,7 +118,20 @@ class DecodeWorker(EngineWorker):
             call.cancel()
             raise
         call.add_done_callback(_retrieve_exception)  # may still be finishing; never awaited
-        return res, first_token_id
+        return res, first_token_id, prompt_logprobs
+
+    @staticmethod
+    async def _await_prompt_logprobs(call: asyncio.Task, timeout_s: float) -> list[TokenLogprob | None]:
+        """The prefill call's reply carries the prompt logprobs; it follows the last layer's ack."""
+        try:
+            result = await asyncio.wait_for(asyncio.shield(call), timeout_s)
+        except asyncio.TimeoutError:
+            raise RemotePrefillFailed("prefill-timeout", "prefill reply did not come in time") from None
+        except Exception as exc:  # noqa: BLE001 - any failure of the call falls back
+            raise RemotePrefillFailed("prefill-failed", f"prefill replica: {exc!r}") from None
+        if result.prompt_logprobs is None:
+            raise RemotePrefillFailed("prefill-failed", "prefill replica sent no prompt logprobs")
+        return result.prompt_logprobs
 
     def _call_prefill(self, req: GenerateRequest, transfer_id: str, res: KVReservation) -> asyncio.Task:
         prefill_req = PrefillRequest(

@@ -14,6 +14,7 @@ from ray import serve
 
 from workers.engine.kv_types import KVSink
 from workers.engine.sampling_params import SamplingParams
+from workers.engine.sequence import TokenLogprob
 from workers.engine_worker import EngineWorker
 from workers.faults import wrap_sender
 from workers.kv_transport import make_sender
@@ -58,7 +59,7 @@ class PrefillWorker(EngineWorker):
         sink = self.sender.open(req.transfer_id, req.decode_address, layout,
                                 start_block=req.start_block, timeout=req.timeout_s)
         request_id = self.engine.new_request_id(req.request_id)
-        num_cached = await self._run_prompt(request_id, req, sink)
+        num_cached, prompt_logprobs = await self._run_prompt(request_id, req, sink)
         await sink.wait_async()
         seconds = time.perf_counter() - start
         num_blocks = layout.num_blocks(len(req.prompt_token_ids)) - req.start_block
@@ -66,23 +67,27 @@ class PrefillWorker(EngineWorker):
         self.metrics.record_transfer(num_bytes, seconds, self.sender.backend)
         log.info("request %s: prefilled %d tokens, sent %d bytes to %s in %.1f ms", req.request_id,
                  len(req.prompt_token_ids), num_bytes, req.decode_address, seconds * 1e3)
-        return PrefillResult(num_cached, num_bytes, seconds)
+        return PrefillResult(num_cached, num_bytes, seconds, prompt_logprobs)
 
-    async def _run_prompt(self, request_id: str, req: PrefillRequest, sink: KVSink) -> int:
+    async def _run_prompt(self, request_id: str, req: PrefillRequest,
+                          sink: KVSink) -> tuple[int, list[TokenLogprob | None] | None]:
         """Prefill and sample the first token, which the engine hands to `sink` with the
-        last layer (`KVSink.on_complete`); returns the prompt tokens the prefix cache held."""
+        last layer (`KVSink.on_complete`); returns the prompt tokens the prefix cache held
+        and the prompt logprobs (when the request asked for them)."""
         self.num_inflight += 1
         try:
             token_ids: list[int] = []
             num_cached = 0
+            prompt_logprobs = None
             async for chunk in self.engine.generate(request_id, req.prompt_token_ids,
                                                     prefill_params(req.params), req.seed,
                                                     kv_sink=sink, deadline=req.deadline):
                 token_ids += chunk.token_ids
                 num_cached = max(num_cached, chunk.num_cached_tokens)
+                prompt_logprobs = prompt_logprobs or chunk.prompt_logprobs
             if not token_ids:
                 raise RuntimeError(f"transfer {req.transfer_id}: prefill ended without a token")
-            return num_cached
+            return num_cached, prompt_logprobs
         finally:
             self.num_inflight -= 1
 

@@ -79,8 +79,11 @@ class PrefillRequest:
 class PrefillResult:
     """Prefill worker -> decode worker, once every layer was acknowledged. The first token
     is not here: it travels with the last layer (`KVSink.on_complete`), which is what the
-    decode side commits, without waiting for this reply."""
+    decode side commits, without waiting for this reply, unless the request asked for
+    prompt logprobs: those (prompt length x (K + 1) pairs, too large for a transport
+    header) come here, and the decode side waits for them before its first output."""
 
     num_cached_tokens: int  # prompt tokens the prefill replica found in its prefix cache
     num_bytes: int  # KV bytes sent
     seconds: float  # prefill + transfer, on the prefill side
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with params.prompt_logprobs

@@ -22,7 +22,8 @@ import time
 from typing import Any
 
 from transport.sealed import BadMac, SealedCodec, SealError, UnpackLimits
-from workers.engine.sampling_params import SamplingParams
+from workers.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from workers.engine.sequence import TokenLogprob
 from workers.protocol import REASONS, GenerateChunk, GenerateRequest, PrefillRequest, PrefillResult
 
 DOMAIN = b"pdc-worker-stream-v1\0"
@@ -113,6 +114,7 @@ class ReplayGuard:
 # router; "prefill" (PrefillRequest -> one PrefillResult) on prefill workers, from decode.
 
 _PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+_LOGPROB_FIELDS = ("logprobs", "prompt_logprobs")  # lists of TokenLogprob | None, on replies
 
 
 def to_wire(obj: Any) -> dict[str, Any]:
@@ -120,7 +122,35 @@ def to_wire(obj: Any) -> dict[str, Any]:
     out = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
     if isinstance(out.get("params"), SamplingParams):
         out["params"] = dataclasses.asdict(out["params"])
+    for name in _LOGPROB_FIELDS:
+        if out.get(name) is not None:
+            out[name] = [None if e is None else [e.token_id, e.logprob, [list(t) for t in e.top]]
+                         for e in out[name]]
     return out
+
+
+def _logprobs_from_wire(raw: Any) -> list[TokenLogprob | None] | None:
+    """A reply's logprob list back as TokenLogprob entries; raises StreamRejected if malformed."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise StreamRejected("logprobs must be a list")
+    return [None if entry is None else _logprob_from_wire(entry) for entry in raw]
+
+
+def _logprob_from_wire(entry: Any) -> TokenLogprob:
+    if not (isinstance(entry, (list, tuple)) and len(entry) == 3 and isinstance(entry[2], (list, tuple))
+            and len(entry[2]) <= MAX_LOGPROBS + 1):
+        raise StreamRejected("a logprob entry must be [token id, logprob, [[id, logprob], ...]]")
+    token_id, logprob = _token_and_logprob(entry[:2])
+    return TokenLogprob(token_id, logprob, tuple(_token_and_logprob(pair) for pair in entry[2]))
+
+
+def _token_and_logprob(pair: Any) -> tuple[int, float]:
+    if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and type(pair[0]) is int and pair[0] >= 0
+            and type(pair[1]) in (int, float)):
+        raise StreamRejected("a logprob must be a token id >= 0 and a number")
+    return pair[0], float(pair[1])
 
 
 def request_from_wire(raw: Any) -> GenerateRequest:
@@ -144,7 +174,10 @@ def prefill_request_from_wire(raw: Any) -> PrefillRequest:
 
 
 def chunk_from_wire(raw: Any) -> GenerateChunk:
-    return _reply(raw, GenerateChunk)
+    chunk = _reply(raw, GenerateChunk)
+    if type(chunk.index) is not int or chunk.index < 0:
+        raise StreamRejected("chunk index must be a non-negative integer")
+    return chunk
 
 
 def prefill_result_from_wire(raw: Any) -> PrefillResult:
@@ -170,6 +203,13 @@ def _with_prompt_and_params(raw: dict) -> dict:
     params = raw.get("params")
     if not isinstance(params, dict) or not set(params) <= set(_PARAM_FIELDS):
         raise StreamRejected("sampling params fields do not match")
+    bias, guided = params.get("logit_bias") or [], params.get("guided")
+    if not isinstance(bias, (list, tuple)) or not all(
+            isinstance(p, (list, tuple)) and len(p) == 2 and type(p[0]) is int and type(p[1]) in (int, float)
+            for p in bias):
+        raise StreamRejected("logit_bias must be [token id, bias] pairs")
+    if guided is not None and not (isinstance(guided, dict) and all(isinstance(v, str) for v in guided.values())):
+        raise StreamRejected("guided must be a map of strings")
     try:
         return {**raw, "params": SamplingParams(**params)}
     except (TypeError, ValueError) as exc:
@@ -179,6 +219,7 @@ def _with_prompt_and_params(raw: dict) -> dict:
 def _reply(raw: Any, kind: type):
     if not isinstance(raw, dict) or not set(raw) <= {f.name for f in dataclasses.fields(kind)}:
         raise StreamRejected(f"{kind.__name__} fields do not match")
+    raw = {**raw, **{n: _logprobs_from_wire(raw[n]) for n in _LOGPROB_FIELDS if n in raw}}
     try:
         return kind(**raw)
     except TypeError as exc:
