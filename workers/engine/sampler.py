@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.engine.grammar import mask_disallowed
 from workers.engine.sampling_params import SamplingParams
 
 
@@ -32,6 +33,8 @@ class SamplingRow:
     seed: int  # the request's seed (`request_seed`), fixed for its whole life
     output_index: int  # index of the token being sampled among the generated ones
     eos_token_ids: frozenset[int]
+    # With a grammar (structured outputs): bool[vocab], the tokens it allows next.
+    allowed: torch.Tensor | None = None
 
 
 def request_seed(params: SamplingParams) -> int:
@@ -60,6 +63,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
         logits = mask_stop_tokens(logits.float(), rows)
+        logits = mask_disallowed(logits, rows)  # a grammar's (structured outputs)
         token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
         random = [i for i, row in enumerate(rows) if not row.params.greedy]
