@@ -122,7 +122,7 @@ class _DirectSink:
         t.start()
         t.join()
 
-    def on_complete(self, first_token_id):
+    def on_complete(self, first_token_id, logprob=None):
         self.first_token_id = first_token_id
         self.done.set()
 

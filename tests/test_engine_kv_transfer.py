@@ -19,6 +19,7 @@ class CollectingSink:
         self.start_block = start_block
         self.layers: dict[int, torch.Tensor] = {}
         self.first_token_id: int | None = None
+        self.first_logprob = None
         self.abort_reason: str | None = None
         self.events: list[str] = []
         self.checksums: dict[int, int | None] = {}
@@ -35,8 +36,8 @@ class CollectingSink:
         self.checksums[layer_idx] = checksum
         self.events.append(f"layer{layer_idx}")
 
-    def on_complete(self, first_token_id: int) -> None:
-        self.first_token_id = first_token_id
+    def on_complete(self, first_token_id: int, logprob=None) -> None:
+        self.first_token_id, self.first_logprob = first_token_id, logprob
         self.events.append("complete")
 
     def on_abort(self, reason: str) -> None:

@@ -95,7 +95,7 @@ def test_concurrent_transfers_between_processes(backend):
     procs = [spawn(send_transfers, backend, j, results) for j in jobs]
     try:
         for tid, (rx, res, seed) in reservations.items():
-            assert receivers[rx].wait(tid, TIMEOUT_S) == seed
+            assert receivers[rx].wait(tid, TIMEOUT_S).token_id == seed
             expected = synthetic_layers(LAYOUT, res.num_blocks_to_receive, seed)
             for layer_idx, kv in enumerate(expected):
                 assert torch.equal(targets[rx].read(res, layer_idx), kv), (tid, layer_idx)
@@ -124,7 +124,7 @@ def _send_one(tx, rx, target, layout, transfer_id, *, num_blocks, seed, first_to
     for i, kv in enumerate(layers):
         sink.on_layer(i, kv)
     sink.on_complete(first_token_id)
-    assert rx.wait(transfer_id, TIMEOUT_S) == first_token_id
+    assert rx.wait(transfer_id, TIMEOUT_S).token_id == first_token_id
     return res, sink, layers
 
 

@@ -82,7 +82,7 @@ def test_cuda_decode_engine_continues_token_identically(tiny_model_dir):
             res = decode.reserve_kv(tid, fresh)
             rx.expect(tid, res, timeout=60)
             jobs.put(("shm", tid, rx.address, fresh, GREEDY, 0, res.num_cached_blocks))
-            first = rx.wait(tid)
+            first = rx.wait(tid).token_id
             assert results.get(timeout=60) == (tid, "ok")
             decode.commit_kv(res, tid, GREEDY, first, seed=0)
             out = []

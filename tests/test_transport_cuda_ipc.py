@@ -278,7 +278,7 @@ def test_transfers_through_device_slots_over_real_sockets():
             for layer_idx, kv in enumerate(layers):
                 sink.on_layer(layer_idx, kv)
             sink.on_complete(i)
-            assert rx.wait(tid, TIMEOUT_S) == i
+            assert rx.wait(tid, TIMEOUT_S).token_id == i
             sink.wait(TIMEOUT_S)
             for layer_idx, kv in enumerate(layers):
                 assert torch.equal(target.read(res, layer_idx), kv)

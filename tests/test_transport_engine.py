@@ -53,7 +53,7 @@ def run_remote(engine, receiver, jobs, results, backend, tid, prompt, params, se
     res = engine.reserve_kv(tid, prompt)
     receiver.expect(tid, res, timeout=60)
     jobs.put((backend, tid, receiver.address, prompt, params, seed, res.num_cached_blocks))
-    first_token = receiver.wait(tid)
+    first_token = receiver.wait(tid).token_id
     assert results.get(timeout=60) == (tid, "ok")
     engine.commit_kv(res, tid, params, first_token, seed=seed)
     out = []

@@ -101,7 +101,7 @@ def run_transfers(backend: str, premature_release: bool = False) -> tuple[dict, 
         proc.join(10)
         for tid in reservations:
             try:
-                outcome[tid] = (outcome.get(tid), rx.wait(tid, 1))
+                outcome[tid] = (outcome.get(tid), rx.wait(tid, 1).token_id)
             except TransferError as exc:
                 outcome[tid] = (outcome.get(tid), type(exc).__name__)
     finally:

@@ -38,7 +38,7 @@ def assert_still_serves(rx, target, tx=None) -> None:
     res = target.reserve("after-fault", 2)
     rx.expect("after-fault", res)
     send_all(tx.open("after-fault", rx.address, LAYOUT), synthetic_layers(LAYOUT, 2, 3), 77)
-    assert rx.wait("after-fault", 10) == 77
+    assert rx.wait("after-fault", 10).token_id == 77
     target.commit(res)
     target.check_integrity()
     assert target.num_free_blocks == target.num_blocks
@@ -224,7 +224,7 @@ def test_replayed_messages_are_rejected(receiver):
             peer.send(*layer_header("replay", i, i, layers[i]))
         peer.send(Header(DONE, "replay", LAYOUT.num_layers, first_token_id=4))
         assert peer.reply().kind == "ack"
-        assert rx.wait("replay", 5) == 4
+        assert rx.wait("replay", 5).token_id == 4
         peer.send(header, data)  # replay after completion
         assert peer.reply().reason == "replay"
         assert rx.metrics.snapshot()["rejections_total"]["replay"] == 2

@@ -101,7 +101,7 @@ def test_layers_land_straight_in_scattered_blocks(tcp_receiver):
     tx = make_sender(config("zmq"), KEY)
     layers = synthetic_layers(LAYOUT, 24, 5)
     send_all(tx.open("scattered", rx.address, LAYOUT), layers, 9)
-    assert rx.wait("scattered", 10) == 9
+    assert rx.wait("scattered", 10).token_id == 9
     for i, kv in enumerate(layers):
         assert torch.equal(target.read(res, i), kv), i
     assert rx.metrics.snapshot()["bytes_total"] == {"tcp": sum(kv.numel() * 4 for kv in layers)}
@@ -134,7 +134,7 @@ def test_a_refused_layer_is_drained_and_the_pair_stays_in_step(tcp_receiver):
     res = target.reserve("next", 2)
     rx.expect("next", res)
     send_all(tx.open("next", rx.address, LAYOUT), synthetic_layers(LAYOUT, 2, 3), 77)
-    assert rx.wait("next", 10) == 77
+    assert rx.wait("next", 10).token_id == 77
     assert list(tx._channels.values()) == [channel] and not channel.path.broken  # same stream
     assert rx.metrics.snapshot()["rejections_total"] == {"unknown": LAYOUT.num_layers + 1}
     tx.close()
@@ -198,7 +198,7 @@ def test_a_wrong_checksum_fails_one_transfer_and_the_stream_stays_usable(tcp_rec
     good = target.reserve("good", 3)
     rx.expect("good", good)
     peer.send_transfer("good", layers, 11)
-    assert rx.wait("good", 5) == 11
+    assert rx.wait("good", 5).token_id == 11
     assert all(torch.equal(target.read(good, i), kv) for i, kv in enumerate(layers))
     peer.close()
 
@@ -236,7 +236,7 @@ def test_senders_that_went_away_leave_no_connection_or_thread_behind(tcp_receive
         res = target.reserve(f"churn-{i}", 2)
         rx.expect(f"churn-{i}", res)
         send_all(tx.open(f"churn-{i}", rx.address, LAYOUT), synthetic_layers(LAYOUT, 2, i), i)
-        assert rx.wait(f"churn-{i}", 10) == i
+        assert rx.wait(f"churn-{i}", 10).token_id == i
         target.commit(res)
         tx.close()
     tcp = tcp_path_of(rx)
@@ -258,7 +258,7 @@ def test_a_new_sender_leaves_live_idle_senders_connected(tcp_receiver):
             rx.expect(tid, res)
             start = time.monotonic()
             send_all(tx.open(tid, rx.address, LAYOUT), synthetic_layers(LAYOUT, 2, i), i)
-            assert rx.wait(tid, 10) == i
+            assert rx.wait(tid, 10).token_id == i
             assert time.monotonic() - start < 1.0  # the HELLO's look at idle peers is instant
             target.commit(res)
         (channel,) = first._channels.values()

@@ -11,7 +11,7 @@ The flow the cluster runs:
     D: receiver.expect(transfer_id, res, timeout)       -> router gets receiver.address
     P: sink = sender.open(transfer_id, address, engine.layout, start_block=res.num_cached_blocks)
     P: engine.add_request(..., kv_sink=sink)             # engine calls sink.on_layer/on_complete
-    D: first_token_id = await receiver.wait_async(transfer_id)   # or raises TransferError
+    D: first = await receiver.wait_async(transfer_id)    # a FirstToken, or raises TransferError
     D: engine.commit_kv(res, ...)                        # on success; on error the receiver
                                                          # has already cancelled `res`
 
@@ -30,7 +30,8 @@ from typing import ClassVar
 import torch
 import xxhash
 
-from workers.engine.kv_types import ByteDigest, KVLayout, KVReservation
+from workers.engine.kv_types import ByteDigest, FirstToken, KVLayout, KVReservation
+from workers.engine.sequence import TokenLogprob
 
 
 def new_payload_digest() -> ByteDigest:
@@ -126,11 +127,11 @@ class KVReceiver(ABC):
         """Announce a transfer; raises `ValueError` if the id is pending or recently used."""
 
     @abstractmethod
-    def future(self, transfer_id: str) -> Future[int]:
-        """The transfer's result: the first token id, or a `TransferError`."""
+    def future(self, transfer_id: str) -> Future[FirstToken]:
+        """The transfer's result: the first token (with its logprob), or a `TransferError`."""
 
-    def wait(self, transfer_id: str, timeout: float | None = None) -> int:
-        """Block until the transfer completes; returns the first token id.
+    def wait(self, transfer_id: str, timeout: float | None = None) -> FirstToken:
+        """Block until the transfer completes; returns the first token.
 
         A `timeout` shorter than the reservation's fails the transfer when it elapses."""
         fut = self.future(transfer_id)
@@ -141,7 +142,7 @@ class KVReceiver(ABC):
                 f"transfer {transfer_id} not complete within {timeout}s", transfer_id=transfer_id))
             return fut.result(0)
 
-    async def wait_async(self, transfer_id: str, timeout: float | None = None) -> int:
+    async def wait_async(self, transfer_id: str, timeout: float | None = None) -> FirstToken:
         """`wait` for asyncio callers; no thread is held while waiting."""
         fut = asyncio.wrap_future(self.future(transfer_id))
         try:
@@ -191,7 +192,7 @@ class SenderSink(ABC):
     def on_layer(self, layer_idx: int, kv: torch.Tensor, checksum: int | None = None) -> None: ...
 
     @abstractmethod
-    def on_complete(self, first_token_id: int) -> None: ...
+    def on_complete(self, first_token_id: int, logprob: TokenLogprob | None = None) -> None: ...
 
     @abstractmethod
     def on_abort(self, reason: str) -> None: ...

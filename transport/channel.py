@@ -39,8 +39,9 @@ from transport.base import (
 from transport.export_pool import NO_LEASE, ExportLease, ExportPool, SinkLender
 from transport.metrics import TransportMetrics
 from transport.paths.base import SendPath
-from transport.wire import ABORT, ACK, DONE, LAYER, NACK, RELEASE, Header, WireCodec
+from transport.wire import ABORT, ACK, DONE, LAYER, NACK, RELEASE, Header, WireCodec, done_header
 from workers.engine.kv_types import KVLayout
+from workers.engine.sequence import TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -97,9 +98,9 @@ class ChannelSink(SenderSink):
             return
         self._channel.submit(self, LAYER, (layer_idx, kv, checksum), lease)
 
-    def on_complete(self, first_token_id: int) -> None:
+    def on_complete(self, first_token_id: int, logprob: TokenLogprob | None = None) -> None:
         if not self.done:
-            self._channel.submit(self, DONE, int(first_token_id))
+            self._channel.submit(self, DONE, (int(first_token_id), logprob))
 
     def on_abort(self, reason: str) -> None:
         self._lender.drop_unclaimed()
@@ -230,7 +231,7 @@ class PeerChannel(threading.Thread):
                 item.lease.release_when(self._send_layer(sock, sink, *item.arg,
                                                          track=item.lease is not NO_LEASE))
             elif item.kind == DONE:
-                self._send(sock, sink, Header(DONE, sink.transfer_id, first_token_id=item.arg))
+                self._send(sock, sink, done_header(sink.transfer_id, 0, *item.arg))  # _send numbers it
             elif item.kind == ABORT:
                 self._abort(sock, sink, "aborted", "prefill_abort", str(item.arg))
         except TransferError as exc:

@@ -24,8 +24,9 @@ from transport.base import (
     new_payload_digest,
 )
 from transport.metrics import TransportMetrics
-from transport.wire import Header
+from transport.wire import Header, first_token
 from workers.engine.kv_types import (
+    FirstToken,
     FramedKV,
     KVLayout,
     KVPayload,
@@ -49,7 +50,7 @@ class Bounds:
 class Transfer:
     reservation: KVReservation
     deadline: float  # time.monotonic()
-    future: Future[int] = field(default_factory=Future)
+    future: Future[FirstToken] = field(default_factory=Future)
     next_seq: int = 0
     next_layer: int = 0
     peer: bytes | None = None  # bound by the first message
@@ -78,7 +79,7 @@ class TransferTable:
         self.default_ttl_s = default_ttl_s
         self._lock = threading.Lock()
         self._pending: dict[str, Transfer] = {}
-        self._finished: OrderedDict[str, Future[int]] = OrderedDict()
+        self._finished: OrderedDict[str, Future[FirstToken]] = OrderedDict()
         layout = target.layout
         self._layout = layout
         self._fingerprint = layout.fingerprint()
@@ -100,7 +101,7 @@ class TransferTable:
                 raise ValueError(f"transfer id {transfer_id!r} is pending or was used")
             self._pending[transfer_id] = Transfer(res, time.monotonic() + ttl)
 
-    def future(self, transfer_id: str) -> Future[int]:
+    def future(self, transfer_id: str) -> Future[FirstToken]:
         with self._lock:
             t = self._pending.get(transfer_id)
             fut = t.future if t else self._finished.get(transfer_id)
@@ -226,7 +227,7 @@ class TransferTable:
             self._remember(tid, t.future)
         self.metrics.transfer_done(t.data_path or "none", t.nbytes,
                                    time.perf_counter() - t.started_at)
-        t.future.set_result(header.first_token_id)
+        t.future.set_result(first_token(header))
 
     def fail(self, transfer_id: str, error: TransferError) -> bool:
         """Cancel the reservation and resolve with `error`; False if not pending."""
@@ -251,7 +252,7 @@ class TransferTable:
         for tid in self.pending_ids():
             self.fail(tid, error_factory(tid))
 
-    def _remember(self, transfer_id: str, fut: Future[int]) -> None:
+    def _remember(self, transfer_id: str, fut: Future[FirstToken]) -> None:
         self._finished[transfer_id] = fut
         while len(self._finished) > MAX_FINISHED:
             self._finished.popitem(last=False)
@@ -267,7 +268,7 @@ class TableReceiver(KVReceiver):
                timeout: float | None = None) -> None:
         self.table.expect(transfer_id, reservation, timeout)
 
-    def future(self, transfer_id: str) -> Future[int]:
+    def future(self, transfer_id: str) -> Future[FirstToken]:
         return self.table.future(transfer_id)
 
     def cancel(self, transfer_id: str, error: TransferError | None = None) -> None:

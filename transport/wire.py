@@ -14,6 +14,9 @@ from dataclasses import dataclass, field, fields
 
 from transport.base import TransferAuthError, TransferCorrupt, TransferRejected, new_payload_digest
 from transport.sealed import BadMac, Malformed, SealedCodec, TooLarge, UnpackLimits
+from workers.engine.kv_types import FirstToken
+from workers.engine.sampling_params import MAX_LOGPROBS
+from workers.engine.sequence import TokenLogprob
 
 PROTOCOL_VERSION = 2  # 2: the MAC covers DOMAIN + header
 DOMAIN = b"pdc-kv-header\0"
@@ -47,6 +50,11 @@ class Header:
     checksum: int = 0  # xxh3-64 of the payload bytes
     data_path: str = INLINE
     first_token_id: int = -1  # DONE only
+    # DONE, when the request asked for logprobs: the first token's logprob under the raw
+    # logits and its top alternatives (ids and logprobs, most likely first).
+    first_logprob: float | None = None
+    first_top_ids: list[int] = field(default_factory=list)
+    first_top_logprobs: list[float] = field(default_factory=list)
     error: str = ""  # NACK/ABORT: TransferError.kind
     reason: str = ""  # NACK/ABORT: finer cause
     detail: str = ""  # NACK/ABORT: human-readable message
@@ -55,8 +63,8 @@ class Header:
 
 
 _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
-    f.name: {"int": int, "str": str, "list[int]": list,
-             "dict[str, str | int]": dict}[str(f.type)]
+    f.name: {"int": int, "str": str, "list[int]": list, "list[float]": list,
+             "float | None": (float, type(None)), "dict[str, str | int]": dict}[str(f.type)]
     for f in fields(Header)
 }
 
@@ -67,7 +75,7 @@ class WireLimits:
 
     max_header_bytes: int = 16 << 10
     max_str_len: int = 4096
-    max_array_len: int = 16  # shape has 5-6 dims
+    max_array_len: int = 32  # shape has 5-6 dims; a token's top alternatives at most 20
     max_map_len: int = 32
 
 
@@ -127,7 +135,31 @@ def _to_header(raw: dict, transfer_id: str) -> Header:
     ok = (header.kind in KINDS and header.data_path in DATA_PATHS
           and all(isinstance(d, int) and 0 <= d < 1 << 40 for d in header.shape)
           and all(isinstance(v, (str, int)) for v in header.extra.values())
-          and header.nbytes >= 0 and header.seq >= 0)
+          and header.nbytes >= 0 and header.seq >= 0 and _first_logprob_ok(header))
     if not ok:
         raise TransferCorrupt("header values out of range", "malformed", transfer_id)
     return header
+
+
+def _first_logprob_ok(header: Header) -> bool:
+    ids, logprobs = header.first_top_ids, header.first_top_logprobs
+    return (len(ids) == len(logprobs) <= MAX_LOGPROBS
+            and (header.first_logprob is not None or not ids)
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
+            and all(isinstance(lp, float) for lp in logprobs))
+
+
+def first_token(header: Header) -> FirstToken:
+    """The first token a DONE header carries, with its logprob if it has one."""
+    if header.first_logprob is None:
+        return FirstToken(header.first_token_id)
+    top = tuple(zip(header.first_top_ids, header.first_top_logprobs, strict=True))
+    return FirstToken(header.first_token_id, TokenLogprob(header.first_token_id, header.first_logprob, top))
+
+
+def done_header(transfer_id: str, seq: int, first_token_id: int, logprob: TokenLogprob | None) -> Header:
+    """The DONE message of a transfer: its first token and that token's logprob, as plain numbers."""
+    top = logprob.top[:MAX_LOGPROBS] if logprob is not None else ()
+    return Header(DONE, transfer_id, seq, first_token_id=int(first_token_id),
+                  first_logprob=None if logprob is None else float(logprob.logprob),
+                  first_top_ids=[int(t) for t, _ in top], first_top_logprobs=[float(lp) for _, lp in top])

@@ -163,12 +163,12 @@ class AsyncEngine:
             return True
 
     def _commit(self, res: KVReservation, request_id: str, params: SamplingParams,
-                first_token_id: int, seed: int,
+                first_token_id: int, seed: int, first_logprob: TokenLogprob | None,
                 prompt_logprobs: list[TokenLogprob | None] | None = None) -> None:
         if not self._close(res):
             raise RuntimeError(f"reservation {res.transfer_id!r} already closed")
         try:
-            self.engine.commit_kv(res, request_id, params, first_token_id, seed=seed,
+            self.engine.commit_kv(res, request_id, params, first_token_id, seed=seed, first_logprob=first_logprob,
                                   prompt_logprobs=prompt_logprobs)
         except BaseException:
             self.engine.cancel_kv(res)  # idempotent: frees the blocks unless commit took them
@@ -191,14 +191,15 @@ class AsyncEngine:
 
     async def generate_from_kv(self, reservation: KVReservation, request_id: str,
                                params: SamplingParams, first_token_id: int, seed: int, *,
+                               first_logprob: TokenLogprob | None = None,
                                prompt_logprobs: list[TokenLogprob | None] | None = None,
                                deadline: float | None = None) -> AsyncIterator[GenerateChunk]:
         """Turn a fully received reservation into a running request and stream it. The
-        first chunk is `first_token_id` (the prefill replica's token) with its text, the
-        engine's first output for the request (`LLMEngine.commit_kv`), with `prompt_logprobs`
-        (from the prefill call's reply)."""
+        first chunk is `first_token_id` (the prefill replica's token) with its text and
+        `first_logprob` (and `prompt_logprobs`, from the prefill call's reply), the engine's
+        first output for the request (`LLMEngine.commit_kv`)."""
         commit = lambda: self._commit(reservation, request_id, params, first_token_id, seed,  # noqa: E731
-                                      prompt_logprobs)
+                                      first_logprob, prompt_logprobs)
         async for chunk in self._stream(request_id, commit, deadline):
             yield chunk
 
@@ -236,6 +237,8 @@ class AsyncEngine:
             if isinstance(item, BaseException):
                 raise item
             chunk.token_ids += item.new_token_ids
+            if item.logprobs is not None:
+                chunk.logprobs = (chunk.logprobs or []) + item.logprobs
             chunk.text += item.text
             chunk.prompt_logprobs = chunk.prompt_logprobs or item.prompt_logprobs
             chunk.finished, chunk.finish_reason = item.finished, item.finish_reason

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 
 from ray import serve
 
-from workers.engine.kv_types import KVReservation
+from workers.engine.kv_types import FirstToken, KVReservation
 from workers.engine.sequence import TokenLogprob
 from workers.engine_worker import EngineWorker
 from workers.kv_transport import make_receiver
@@ -65,7 +65,7 @@ class DecodeWorker(EngineWorker):
 
     async def _disagg(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         try:
-            res, first_token_id, prompt_logprobs = await self._remote_prefill(req)
+            res, first, prompt_logprobs = await self._remote_prefill(req)
         except RemotePrefillFailed as exc:
             log.warning("request %s: remote prefill failed (%s: %s); prefilling locally",
                         req.request_id, exc.reason, exc)
@@ -74,8 +74,9 @@ class DecodeWorker(EngineWorker):
             return
         # The prefill replica's token is the engine's first output for the request.
         request_id = self.engine.new_request_id(req.request_id)
-        stream = self.engine.generate_from_kv(res, request_id, req.params, first_token_id, req.seed,
-                                              prompt_logprobs=prompt_logprobs, deadline=req.deadline)
+        stream = self.engine.generate_from_kv(res, request_id, req.params, first.token_id, req.seed,
+                                              first_logprob=first.logprob, prompt_logprobs=prompt_logprobs,
+                                              deadline=req.deadline)
         async for chunk in self.label_first(stream, req, "disagg", req.reason):
             yield chunk
 
@@ -85,9 +86,10 @@ class DecodeWorker(EngineWorker):
             self.prefill_streams.close()
 
     async def _remote_prefill(
-            self, req: GenerateRequest) -> tuple[KVReservation, int, list[TokenLogprob | None] | None]:
-        """Returns (reservation, first token id) with every layer written, or raises
-        RemotePrefillFailed having released everything it took. The first token id comes
+            self, req: GenerateRequest) -> tuple[KVReservation, FirstToken, list[TokenLogprob | None] | None]:
+        """Returns (reservation, first token) with every layer written, or raises
+        RemotePrefillFailed having released everything it took. The first token (with its
+        logprob when the request asked for logprobs) comes
         with the last layer, from the receiver: the commit need not wait for the prefill
         call's reply, unless the request asked for prompt logprobs, which come in that
         reply (`PrefillResult.prompt_logprobs`) and are returned third."""
@@ -107,7 +109,7 @@ class DecodeWorker(EngineWorker):
         # on any failure it cancels `res` itself.
         call = self._call_prefill(req, transfer_id, res)
         try:
-            first_token_id = await self._await_transfer(transfer_id, call, req.prefill_timeout_s)
+            first = await self._await_transfer(transfer_id, call, req.prefill_timeout_s)
             prompt_logprobs = None
             if req.params.prompt_logprobs is not None:
                 prompt_logprobs = await self._await_prompt_logprobs(call, req.prefill_timeout_s)
@@ -118,7 +120,7 @@ class DecodeWorker(EngineWorker):
             call.cancel()
             raise
         call.add_done_callback(_retrieve_exception)  # may still be finishing; never awaited
-        return res, first_token_id, prompt_logprobs
+        return res, first, prompt_logprobs
 
     @staticmethod
     async def _await_prompt_logprobs(call: asyncio.Task, timeout_s: float) -> list[TokenLogprob | None]:
@@ -146,8 +148,8 @@ class DecodeWorker(EngineWorker):
         response = self.prefill_handle.prefill.remote(prefill_req)
         return asyncio.ensure_future(_await_response(response))
 
-    async def _await_transfer(self, transfer_id: str, call: asyncio.Task, timeout_s: float) -> int:
-        """The first token id once every layer is in; a failed prefill call fails it at once."""
+    async def _await_transfer(self, transfer_id: str, call: asyncio.Task, timeout_s: float) -> FirstToken:
+        """The first token once every layer is in; a failed prefill call fails it at once."""
         from transport.base import TransferError, TransferTimeout
 
         transfer = asyncio.ensure_future(self.receiver.wait_async(transfer_id, timeout_s))

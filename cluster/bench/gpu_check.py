@@ -104,7 +104,7 @@ def check_ipc_transfer(device: str = "cuda") -> dict:
 def _landed(receiver, target, res, seed: int) -> bool:
     from transport.memory_target import synthetic_layers
 
-    if receiver.wait(res.transfer_id, TIMEOUT_S) != seed:
+    if receiver.wait(res.transfer_id, TIMEOUT_S).token_id != seed:
         return False
     index = torch.tensor(res.block_ids, device=target.layers[0].device)
     sent = synthetic_layers(target.layout, BLOCKS, seed)

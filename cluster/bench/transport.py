@@ -386,8 +386,8 @@ class _TimedSink:
     def on_layer(self, layer_idx: int, kv: torch.Tensor, checksum: int | None = None) -> None:
         self.inner.on_layer(layer_idx, kv, checksum)
 
-    def on_complete(self, first_token_id: int) -> None:
-        self.inner.on_complete(first_token_id)
+    def on_complete(self, first_token_id: int, logprob=None) -> None:
+        self.inner.on_complete(first_token_id, logprob)
 
     def on_abort(self, reason: str) -> None:
         self.inner.on_abort(reason)

@@ -11,7 +11,8 @@ Prefill side (the engine calls a `KVSink` the transport made):
     sink.new_digest()                          engine, per layer: the checksum to feed while copying
     sink.export_buffer(nbytes)                 engine, per layer: a host buffer to copy into, or None
     sink.on_layer(layer_idx, kv, checksum)     engine's step thread, as soon as a layer is written
-    sink.on_complete(first_token_id)           engine, when the prompt's first token is sampled
+    sink.on_complete(first_token_id, logprob)  engine, when the prompt's first token is sampled
+                                               (`logprob`: its TokenLogprob, None unless asked)
     sink.on_abort(reason)                      engine, when the request ends before that
 
 Decode side (a receiver writes into a `KVTarget`: `LLMEngine`, the thread-safe
@@ -23,11 +24,13 @@ Decode side (a receiver writes into a `KVTarget`: `LLMEngine`, the thread-safe
                                                receiver's threads, once per layer; `kv` is a
                                                tensor, a `FramedKV` or a `StreamedKV`
     target.cancel_kv(res)                      receiver on any failure, decode worker on its own
-    LLMEngine.commit_kv(res, request_id, params, first_token_id, seed=...)
-                                               decode worker, with the first token id the
+    receiver's result: FirstToken(token_id, logprob), what the sink's on_complete got
+    LLMEngine.commit_kv(res, request_id, params, first_token_id, seed=..., first_logprob=...)
+                                               decode worker, with the first token the
                                                receiver got with the last layer; that token
                                                is the request's first output (its text from
-                                               the request's own detokenizer and stop rules)
+                                               the request's own detokenizer and stop rules,
+                                               its logprob the prefill engine's)
 
 Block math: `num_blocks(num_tokens, block_size)` (or `KVLayout.num_blocks`) is how many
 blocks hold `num_tokens` tokens, everywhere.
@@ -50,6 +53,8 @@ from typing import TYPE_CHECKING, Protocol, TypeAlias
 
 if TYPE_CHECKING:
     import torch
+
+    from workers.engine.sequence import TokenLogprob
 
 
 def num_blocks(num_tokens: int, block_size: int) -> int:
@@ -82,6 +87,15 @@ class KVLayout:
         import torch
 
         return math.prod(self.layer_shape(num_blocks)) * getattr(torch, self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """What a completed transfer resolves to: the token the prefill engine sampled from the
+    prompt's last logits, and its logprob when the request asked for logprobs."""
+
+    token_id: int
+    logprob: TokenLogprob | None = None
 
 
 @dataclass
@@ -133,9 +147,10 @@ class KVSink(Protocol):
     def on_layer(self, layer_idx: int, kv: torch.Tensor, checksum: int | None = None) -> None:
         """`checksum`: the `new_digest()` result over `kv`'s bytes, when the engine made one."""
 
-    def on_complete(self, first_token_id: int) -> None:
-        """All layers were handed over; `first_token_id` is the token prefill sampled. The
-        transport delivers it with the last layer: it is what the decode side commits."""
+    def on_complete(self, first_token_id: int, logprob: TokenLogprob | None = None) -> None:
+        """All layers were handed over; `first_token_id` is the token prefill sampled and
+        `logprob` its log-probability (None unless the request asked for logprobs). The
+        transport delivers both with the last layer: they are what the decode side commits."""
 
     def on_abort(self, reason: str) -> None:
         """The request ended before its KV was complete (abort, error, preemption)."""

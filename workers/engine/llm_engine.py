@@ -12,14 +12,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence as Seq
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from transformers import AutoTokenizer
 
 from workers.engine.attention import KVExport
 from workers.engine.block_manager import BlockManager
-from workers.engine.grammar import GrammarCompiler
 from workers.engine.kv_cache import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_MEMORY_FRACTION
 from workers.engine.kv_types import ByteDigest, KVLayout, KVPayload, KVReservation, KVSink
 from workers.engine.model_runner import ModelRunner, resolve_dtype
@@ -51,10 +49,6 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
         self.sampler = Sampler()
         self.eos_token_ids = self._eos_token_ids()
-        self.grammar = GrammarCompiler(self.tokenizer, self.runner.model.config.vocab_size, self.eos_token_ids)
-        # Grammar masks are computed on this thread while the forward pass runs (llguidance
-        # releases the GIL); one thread, so masks never race each other.
-        self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
         self.detokenize = detokenize
         self.step_records: deque[StepRecord] = deque(maxlen=max_step_records)
         self.step_cost = StepCostModel()
@@ -100,7 +94,6 @@ class LLMEngine:
                        processor=OutputProcessor(self.tokenizer, prompt, params, self.eos_token_ids,
                                                  self.detokenize))
         seq.prompt_logprobs = new_prompt_logprobs(seq)
-        seq.matcher = self.grammar.matcher(params.guided) if params.guided else None
         return seq
 
     def _check_fits(self, prompt: list[int], params: SamplingParams) -> None:
@@ -150,17 +143,15 @@ class LLMEngine:
             outputs = []
             batch = self.scheduler.schedule()
             if batch:
-                sampling = [s for s in batch if s.needs_sample]
-                masks = self._start_grammar_masks(sampling)
                 logits, prompt_logits = self.runner.run(batch, self._exports(batch))
                 self._add_prompt_logprobs(batch, prompt_logits)
-                allowed = masks.result() if masks else [None] * len(sampling)
-                token_ids = self.sampler(logits, [self._sampling_row(s.seq, a)
-                                                  for s, a in zip(sampling, allowed, strict=True)])
+                sampling = [s for s in batch if s.needs_sample]
+                sampled = self.sampler.sample(logits, [self._sampling_row(s.seq) for s in sampling])
                 for s in batch:
                     s.seq.num_computed_tokens = s.end
                     self.block_manager.cache_full_blocks(s.seq)
-                outputs = [self._append_token(s.seq, t) for s, t in zip(sampling, token_ids, strict=True)]
+                outputs = [self._append_token(s.seq, t, lp)
+                           for s, t, lp in zip(sampling, sampled.token_ids, sampled.logprobs, strict=True)]
             self._record_step(batch, start_time, time.perf_counter() - t0)
             return outputs
 
@@ -177,32 +168,27 @@ class LLMEngine:
                 for s in batch
                 if s.seq.kv_sink is not None and s.needs_sample and not s.seq.output_token_ids]
 
-    def _start_grammar_masks(self, sampling: list[ScheduledSeq]) -> Future[list[torch.Tensor | None]] | None:
-        """The next token's grammar masks of the sequences that sample this step, computed
-        while the forward pass runs; None when none of them has a grammar."""
-        matchers = [s.seq.matcher for s in sampling]
-        if not any(matchers):
-            return None
-        return self._mask_pool.submit(lambda: [m.allowed() if m else None for m in matchers])
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        return SamplingRow(seq.params, seq.seed, len(seq.output_token_ids), self.eos_token_ids,
+                           seq.prompt_token_ids, seq.output_token_ids)
 
-    def _sampling_row(self, seq: Sequence, allowed: torch.Tensor | None = None) -> SamplingRow:
-        return SamplingRow(seq.params, seq.seed, len(seq.output_token_ids), self.eos_token_ids, allowed=allowed)
-
-    def _append_token(self, seq: Sequence, token_id: int) -> RequestOutput:
-        if seq.matcher is not None:  # the one place a grammar advances, on both routes
-            seq.matcher.accept(token_id)
+    def _append_token(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None = None) -> RequestOutput:
+        """`logprob`: the token's, when the request asked for logprobs (`Sampler.sample`)."""
         seq.output_token_ids.append(token_id)
         if seq.kv_sink is not None and len(seq.output_token_ids) == 1:
-            seq.kv_sink.on_complete(token_id)
+            seq.kv_sink.on_complete(token_id, logprob)
             seq.kv_sink = None
         finish_reason, text = seq.processor.append(token_id)
         if finish_reason is not None:
             self._finish(seq, finish_reason)
-        return self._output(seq, [token_id], text)
+        return self._output(seq, [token_id], text, [logprob])
 
-    def _output(self, seq: Sequence, new_token_ids: list[int], text: str = "") -> RequestOutput:
+    def _output(self, seq: Sequence, new_token_ids: list[int], text: str = "",
+                logprobs: Seq[TokenLogprob | None] = ()) -> RequestOutput:
+        """`logprobs`: one per new token; reported only when the request asked for them."""
         return RequestOutput(seq.request_id, new_token_ids, list(seq.output_token_ids), seq.is_finished,
                              seq.finish_reason, text, seq.prompt_token_ids, seq.num_cached_tokens,
+                             logprobs=list(logprobs) if seq.params.logprobs is not None else None,
                              prompt_logprobs=self._prompt_logprobs(seq, new_token_ids))
 
     @staticmethod
@@ -276,13 +262,15 @@ class LLMEngine:
 
     def commit_kv(self, reservation: KVReservation, request_id: str, params: SamplingParams,
                   first_token_id: int, *, seed: int | None = None,
+                  first_logprob: TokenLogprob | None = None,
                   prompt_logprobs: list[TokenLogprob | None] | None = None) -> None:
         """Turn a fully written reservation into a request that decodes as if prefilled here.
 
         `first_token_id` (sampled by the prefill worker) is appended as output token 0 and
         reported by the next `step()` as the request's first output, its text made by the
         request's own detokenizer and stop rules, exactly as for a token sampled here: a
-        stop string or `max_tokens=1` can end the request on it. `prompt_logprobs` (computed
+        stop string or `max_tokens=1` can end the request on it. `first_logprob` (the
+        prefill worker's, with the token) is reported with it as a local run would. `prompt_logprobs` (computed
         where the prompt was) ride on that first output.
         """
         with self._lock:
@@ -303,7 +291,7 @@ class LLMEngine:
             self.block_manager.cache_full_blocks(seq)
             self.requests[request_id] = seq
             self.scheduler.add(seq)
-            self._pending.append(self._append_token(seq, int(first_token_id)))
+            self._pending.append(self._append_token(seq, int(first_token_id), first_logprob))
 
     def cancel_kv(self, reservation: KVReservation) -> None:
         """Free a reservation's blocks (transfer failed or was abandoned); idempotent."""

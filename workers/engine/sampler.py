@@ -17,12 +17,15 @@ from __future__ import annotations
 import hashlib
 import secrets
 import struct
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
 
-from workers.engine.grammar import mask_disallowed
+from workers.engine.logprobs import token_logprobs
+from workers.engine.penalties import apply_logit_bias, apply_penalties
 from workers.engine.sampling_params import SamplingParams
+from workers.engine.sequence import TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -33,8 +36,18 @@ class SamplingRow:
     seed: int  # the request's seed (`request_seed`), fixed for its whole life
     output_index: int  # index of the token being sampled among the generated ones
     eos_token_ids: frozenset[int]
-    # With a grammar (structured outputs): bool[vocab], the tokens it allows next.
-    allowed: torch.Tensor | None = None
+    # The sequence's tokens so far, read by the penalties (the engine's own lists: rows
+    # live for one sampler call, before the sampled token is appended).
+    prompt_token_ids: Seq[int] = ()
+    output_token_ids: Seq[int] = ()
+
+
+@dataclass
+class SamplerOutput:
+    """One step's tokens, and per row its `TokenLogprob` when the request asked for logprobs."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
 
 
 def request_seed(params: SamplingParams) -> int:
@@ -57,13 +70,25 @@ def exponential_noise(seed: int, output_index: int, vocab_size: int) -> torch.Te
 
 
 class Sampler:
-    """`Sampler()(logits[S, V], rows) -> S token ids`; stateless, so any instance on any
-    worker gives the same answer for the same rows."""
+    """`Sampler().sample(logits[S, V], rows) -> SamplerOutput`; stateless, so any instance
+    on any worker gives the same answer for the same rows. Calling it gives the token ids."""
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+        return self.sample(logits, rows).token_ids
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """raw logits -> (logprobs, from raw) -> logit bias -> penalties -> min_tokens mask
+        -> greedy argmax or temperature / top-k / top-p / exponential race."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
-        logits = mask_stop_tokens(logits.float(), rows)
-        logits = mask_disallowed(logits, rows)  # a grammar's (structured outputs)
+        raw = logits.float()
+        logits = apply_penalties(apply_logit_bias(raw, rows), rows)
+        logits = mask_stop_tokens(logits, rows)
+        # A grammar mask (structured outputs) applies here, on the masked logits.
+        token_ids = self.choose(logits, rows)
+        return SamplerOutput(token_ids, token_logprobs(raw, token_ids, [r.params.logprobs for r in rows]))
+
+    def choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+        """Greedy rows take the argmax, the others draw from their distribution."""
         token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
         random = [i for i, row in enumerate(rows) if not row.params.greedy]
