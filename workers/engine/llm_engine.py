@@ -12,12 +12,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence as Seq
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from transformers import AutoTokenizer
 
 from workers.engine.attention import KVExport
 from workers.engine.block_manager import BlockManager
+from workers.engine.grammar import GrammarCompiler
 from workers.engine.kv_cache import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_MEMORY_FRACTION
 from workers.engine.kv_types import ByteDigest, KVLayout, KVPayload, KVReservation, KVSink
 from workers.engine.model_runner import ModelRunner, resolve_dtype
@@ -49,6 +51,10 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
         self.sampler = Sampler()
         self.eos_token_ids = self._eos_token_ids()
+        self.grammar = GrammarCompiler(self.tokenizer, self.runner.model.config.vocab_size, self.eos_token_ids)
+        # Grammar masks are computed on this thread while the forward pass runs (llguidance
+        # releases the GIL); one thread, so masks never race each other.
+        self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
         self.detokenize = detokenize
         self.step_records: deque[StepRecord] = deque(maxlen=max_step_records)
         self.step_cost = StepCostModel()
@@ -94,6 +100,7 @@ class LLMEngine:
                        processor=OutputProcessor(self.tokenizer, prompt, params, self.eos_token_ids,
                                                  self.detokenize))
         seq.prompt_logprobs = new_prompt_logprobs(seq)
+        seq.matcher = self.grammar.matcher(params.guided) if params.guided else None
         return seq
 
     def _check_fits(self, prompt: list[int], params: SamplingParams) -> None:
@@ -143,10 +150,13 @@ class LLMEngine:
             outputs = []
             batch = self.scheduler.schedule()
             if batch:
+                sampling = [s for s in batch if s.needs_sample]
+                masks = self._start_grammar_masks(sampling)
                 logits, prompt_logits = self.runner.run(batch, self._exports(batch))
                 self._add_prompt_logprobs(batch, prompt_logits)
-                sampling = [s for s in batch if s.needs_sample]
-                sampled = self.sampler.sample(logits, [self._sampling_row(s.seq) for s in sampling])
+                allowed = masks.result() if masks else [None] * len(sampling)
+                sampled = self.sampler.sample(logits, [self._sampling_row(s.seq, a)
+                                                       for s, a in zip(sampling, allowed, strict=True)])
                 for s in batch:
                     s.seq.num_computed_tokens = s.end
                     self.block_manager.cache_full_blocks(s.seq)
@@ -168,12 +178,25 @@ class LLMEngine:
                 for s in batch
                 if s.seq.kv_sink is not None and s.needs_sample and not s.seq.output_token_ids]
 
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+    def _start_grammar_masks(self, sampling: list[ScheduledSeq]) -> Future[list[torch.Tensor | None]] | None:
+        """The next token's grammar masks of the sequences that sample this step, computed
+        while the forward pass runs; None when none of them has a grammar."""
+        matchers = [s.seq.matcher for s in sampling]
+        if not any(matchers):
+            return None
+        return self._mask_pool.submit(lambda: [m.allowed() if m else None for m in matchers])
+
+    def _sampling_row(self, seq: Sequence, allowed: torch.Tensor | None = None) -> SamplingRow:
+        """`allowed`: the grammar mask when `_start_grammar_masks` made it; computed here otherwise."""
+        if allowed is None and seq.matcher is not None:
+            allowed = seq.matcher.allowed()
         return SamplingRow(seq.params, seq.seed, len(seq.output_token_ids), self.eos_token_ids,
-                           seq.prompt_token_ids, seq.output_token_ids)
+                           seq.prompt_token_ids, seq.output_token_ids, allowed=allowed)
 
     def _append_token(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None = None) -> RequestOutput:
         """`logprob`: the token's, when the request asked for logprobs (`Sampler.sample`)."""
+        if seq.matcher is not None:  # the one place a grammar advances, on both routes
+            seq.matcher.accept(token_id)
         seq.output_token_ids.append(token_id)
         if seq.kv_sink is not None and len(seq.output_token_ids) == 1:
             seq.kv_sink.on_complete(token_id, logprob)

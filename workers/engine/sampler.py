@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.engine.grammar import mask_disallowed
 from workers.engine.logprobs import token_logprobs
 from workers.engine.penalties import apply_logit_bias, apply_penalties
 from workers.engine.sampling_params import SamplingParams
@@ -40,6 +41,8 @@ class SamplingRow:
     # live for one sampler call, before the sampled token is appended).
     prompt_token_ids: Seq[int] = ()
     output_token_ids: Seq[int] = ()
+    # With a grammar (structured outputs): bool[vocab], the tokens it allows next.
+    allowed: torch.Tensor | None = None
 
 
 @dataclass
@@ -83,7 +86,7 @@ class Sampler:
         raw = logits.float()
         logits = apply_penalties(apply_logit_bias(raw, rows), rows)
         logits = mask_stop_tokens(logits, rows)
-        # A grammar mask (structured outputs) applies here, on the masked logits.
+        logits = mask_disallowed(logits, rows)  # a grammar's (structured outputs)
         token_ids = self.choose(logits, rows)
         return SamplerOutput(token_ids, token_logprobs(raw, token_ids, [r.params.logprobs for r in rows]))
 

@@ -10,11 +10,15 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from workers.engine.kv_types import KVSink
 from workers.engine.output_processor import OutputProcessor
 from workers.engine.prefix_hash import ROOT_HASH, hash_block
 from workers.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from workers.engine.grammar import GuidedMatcher
 
 _arrival_counter = itertools.count()
 
@@ -33,6 +37,7 @@ class Sequence:
     seed: int
     kv_sink: KVSink | None = None  # cleared once the prompt KV was handed over
     processor: OutputProcessor | None = None
+    matcher: GuidedMatcher | None = None  # with `params.guided`: the grammar state, per output token
     output_token_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
