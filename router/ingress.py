@@ -22,15 +22,21 @@ from pydantic import ValidationError
 from ray import serve
 
 from cluster.config import ClusterConfig, WorkloadProfile, load_config
-from router import admin, admission, dispatch, metrics, sse, streaming, tokenizer_api
+from router import (
+    admin,
+    admission,
+    dispatch,
+    metrics,
+    request_checks,
+    sse,
+    streaming,
+    tokenizer_api,
+)
 from router.api_keys import ApiKeys
 from router.cluster_view import ClusterView
 from router.errors import (
     bad_request,
-    context_length_exceeded,
     from_validation_error,
-    max_tokens_over_context,
-    max_tokens_over_limit,
     model_not_found,
 )
 from router.http_errors import install_handlers
@@ -61,19 +67,6 @@ def _parse(kind: str, body: Any) -> CompletionRequest | ChatCompletionRequest:
         return model.model_validate(body)
     except ValidationError as e:
         raise from_validation_error(e) from None
-
-
-def _validate_guided(guided, tokenizer) -> None:
-    """A 400 naming the problem when the grammar library cannot take the constraint."""
-    try:
-        from workers.engine.grammar import validate_guided
-    except ImportError:
-        raise bad_request("response_format: structured outputs are unavailable on this server",
-                          param="response_format") from None
-    try:
-        validate_guided(guided, tokenizer)
-    except ValueError as e:
-        raise bad_request(f"response_format: {e}", param="response_format") from None
 
 
 async def _start_all(callers, view, drafts: list) -> list:
@@ -206,7 +199,7 @@ class Router:
         else:
             prompts = [(self.prompts.prompt_ids(p), self.prompts.prompt_text(p) if req.echo else "")
                        for p in req.prompts]
-        self._check_vocabulary_fields(req)
+        request_checks.check_vocabulary_fields(req, self.prompts)
         workload = self.profiles.resolve(request.headers.get("x-workload"), key.workload if key else None,
                                          self.config.model.workload)
         profile = self.profiles.get(workload)
@@ -217,7 +210,8 @@ class Router:
         seed = req.seed if req.seed is not None else random.getrandbits(31)
         drafts = [dispatch.RequestDraft(
             request_id=request_id if len(prompts) == 1 else f"{request_id}-{i}", prompt_ids=ids,
-            params=req.sampling_params(self._max_tokens(req, len(ids))),
+            params=req.sampling_params(request_checks.engine_max_tokens(
+                req, len(ids), self.config.limits, self.prompts.max_model_len)),
             seed=seed, workload=workload, profile=profile, forced_mode=forced,
             offload_to_prefill=self.config.router.offload_local_to_prefill,
             prefill_timeout_s=self.config.router.prefill_timeout_s,
@@ -226,7 +220,8 @@ class Router:
         for call in calls:
             self.metrics.record_route(call.route, call.reason, workload)
             self.metrics.record_worker_call(call.path)
-        runs = [streaming.PromptRun(i, ids, text, call) for i, ((ids, text), call) in enumerate(zip(prompts, calls, strict=True))]
+        runs = [streaming.PromptRun(i, ids, text, call)
+                for i, ((ids, text), call) in enumerate(zip(prompts, calls, strict=True))]
         headers = {"x-pd-route": calls[0].route, "x-pd-reason": calls[0].reason}
         shape = ResponseShape(
             kind, request_id, self.model, self.texts, req.return_token_ids, n=req.n,
@@ -237,34 +232,6 @@ class Router:
             chunks = streaming.stream_sse(runs, shape, req.include_usage, timing)
             return StreamingResponse(chunks, media_type=sse.MEDIA_TYPE, headers={**sse.HEADERS, **headers})
         return await streaming.collect_json(runs, shape, timing, headers)
-
-    def _check_vocabulary_fields(self, req) -> None:
-        """What needs the tokenizer: logit bias ids in the vocabulary, a constraint it can express."""
-        bad = [t for t in (req.logit_bias or {}) if int(t) >= self.prompts.vocab_size]
-        if bad:
-            raise bad_request(f"logit_bias: token id {bad[0]} is outside the vocabulary "
-                              f"(size {self.prompts.vocab_size})", param="logit_bias")
-        guided = req.guided()
-        if guided is not None:
-            _validate_guided(guided, self.prompts.tokenizer)
-
-    def _max_tokens(self, req, prompt_len: int) -> int:
-        """What the engine generates: the client's `max_tokens` when the server's limit and
-        the context allow it (else a 400 naming the limit), the configured default when
-        absent (capped to what the context leaves); a `max_tokens` of 0 (echo only) runs 1."""
-        limits, max_len = self.config.limits, self.prompts.max_model_len
-        if prompt_len >= max_len:
-            raise context_length_exceeded(prompt_len, max_len)
-        room = max_len - prompt_len
-        if req.max_tokens is None:
-            return max(1, min(limits.default_max_tokens, limits.max_tokens_limit, room))
-        if req.max_tokens > limits.max_tokens_limit:
-            raise max_tokens_over_limit(req.max_tokens_param, req.max_tokens, limits.max_tokens_limit)
-        if req.max_tokens > room:
-            raise max_tokens_over_context(req.max_tokens_param, req.max_tokens, prompt_len, max_len)
-        if req.min_tokens > req.max_tokens:
-            raise bad_request("min_tokens: must be <= max_tokens", param="min_tokens")
-        return max(1, req.max_tokens)
 
     # ---- tokenizer --------------------------------------------------------------------
 

@@ -134,6 +134,12 @@ class _SamplingRequest(BaseModel):
     def best_of_value(self) -> int | None:
         return None
 
+    @property
+    def guided_param(self) -> str:
+        """The field that asked for an output constraint (for a 400 about it)."""
+        names = ("guided_json", "guided_regex", "guided_choice")
+        return next((name for name in names if getattr(self, name) is not None), "response_format")
+
     def guided(self) -> GuidedDecoding | None:
         """The output constraint asked for, if any (validated against the grammar by the router)."""
         fmt = self.response_format

@@ -528,3 +528,18 @@ def test_timing_records_only_after_the_chunk_went_out():
     timing.finish()  # records what is pending, then E2E
     assert _count(m, "pdc_inter_token_latency_seconds") == 1
     assert _count(m, "pdc_e2e_request_latency_seconds") == 1
+
+
+def test_streamed_echo_opens_with_the_prompt_and_its_logprobs():
+    from workers.engine.sequence import TokenLogprob
+    from workers.protocol import GenerateChunk
+
+    first = GenerateChunk(token_ids=[99], text="c", route="local", logprobs=[TokenLogprob(99, -1.0, ())],
+                          prompt_logprobs=[None, TokenLogprob(2, -0.5, ())])
+    last = GenerateChunk(token_ids=[100], text="d", finished=True, finish_reason="length",
+                         logprobs=[TokenLogprob(100, -2.0, ())])
+    events, _ = _run_stream([first, last], shape=_shape(logprobs=True, echo=True))
+    frames = [json.loads(f.removeprefix("data: ")) for f in events.split("\n\n") if f and "[DONE]" not in f]
+    choices = [f["choices"][0] for f in frames if f["choices"]]
+    assert choices[0]["text"] == "abc" and choices[0]["logprobs"]["token_logprobs"] == [None, -0.5, -1.0]
+    assert choices[1]["text"] == "d" and choices[1]["logprobs"]["text_offset"] == [3]
