@@ -265,6 +265,145 @@ def _sum_by(text: str, name: str, label: str) -> dict[str, float]:
     return out
 
 
+# ---- the OpenAI API through the official client -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def oai(client):
+    import openai
+
+    with openai.OpenAI(base_url=f"{client.base_url}/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def _bad_request(call, param):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as info:
+        call()
+    error = info.value.body
+    assert error["param"] == param and param in error["message"], error
+    return error
+
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]), ("tool_choice", "auto"),
+    ("functions", [{"name": "f"}]), ("function_call", "auto"), ("audio", {"voice": "x", "format": "wav"}),
+    ("modalities", ["text", "audio"]), ("prediction", {"type": "content", "content": "x"}),
+    ("reasoning_effort", "high")])
+def test_chat_fields_that_would_change_the_output_are_refused(oai, field, value):
+    _bad_request(lambda: oai.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1,
+                                                     extra_body={field: value}), field)
+
+
+def test_completion_suffix_refused_and_harmless_fields_accepted(oai):
+    _bad_request(lambda: oai.completions.create(model="tiny", prompt="x", suffix="y", max_tokens=1), "suffix")
+    out = oai.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1, user="u", metadata={"a": "b"},
+                                      store=False, tool_choice="none", parallel_tool_calls=False)
+    assert len(out.choices) == 1
+
+
+def test_limits_and_missing_content_are_400s(oai):
+    _bad_request(lambda: oai.completions.create(model="tiny", prompt="x", max_tokens=7), "max_tokens")
+    _bad_request(lambda: oai.chat.completions.create(model="tiny", messages=CHAT, max_completion_tokens=7),
+                 "max_completion_tokens")
+    error = _bad_request(lambda: oai.chat.completions.create(model="tiny", messages=[{"role": "user"}]),
+                         "messages.0.content")
+    assert error["type"] == "invalid_request_error"
+
+
+def test_tokenize_detokenize_round_trip(client):
+    tokens = client.post("/tokenize", json={"model": "tiny", "prompt": "héllo"}).json()
+    assert tokens["count"] == len(tokens["tokens"]) == len("héllo".encode()) and tokens["max_model_len"] > 0
+    assert client.post("/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": "héllo"}
+    chat = client.post("/tokenize", json={"messages": CHAT}).json()
+    with_prompt = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1,
+                                                            "return_token_ids": True}).json()
+    assert chat["tokens"] == with_prompt["prompt_token_ids"]
+    assert_openai_error(client.post("/detokenize", json={"tokens": [10**7]}), 400)
+    assert_openai_error(client.post("/tokenize", json={"prompt": "x", "messages": CHAT}), 400)
+
+
+@pytest.mark.parametrize("mode", ["local", "disagg"])
+def test_prompt_lists_give_one_choice_per_prompt_in_order(oai, mode):
+    prompts = ["first prompt, long enough to go anywhere " * 2, "second " * 9, "a third one " * 6]
+    one_by_one = [oai.completions.create(model="tiny", prompt=p, max_tokens=3, temperature=0,
+                                         extra_headers={"x-pd-mode": mode}).choices[0].text for p in prompts]
+    batch = oai.completions.create(model="tiny", prompt=prompts, max_tokens=3, temperature=0,
+                                   extra_headers={"x-pd-mode": mode})
+    assert [c.index for c in batch.choices] == [0, 1, 2]
+    assert [c.text for c in batch.choices] == one_by_one
+    by_ids = oai.completions.create(model="tiny", prompt=[[5, 6, 7], [8, 9]], max_tokens=2, temperature=0,
+                                    extra_headers={"x-pd-mode": mode})
+    assert len(by_ids.choices) == 2 and by_ids.usage.prompt_tokens == 5
+
+
+def _transformers_logprobs(model_dir, ids):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+@pytest.mark.parametrize("mode", ["local", "disagg"])
+def test_echo_with_logprobs_as_lm_eval_reads_it(oai, tiny_model_dir, mode):
+    """lm-eval's local-completions: token-id prompts, echo, max_tokens 1, logprobs 1; it reads
+    token_logprobs[ctxlen:-1] and top_logprobs[ctxlen:-1] of each choice."""
+    prompts = [[72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100] * 3, [84, 104, 101, 32, 99, 97, 116]]
+    out = oai.completions.create(model="tiny", prompt=prompts, echo=True, max_tokens=1, logprobs=1,
+                                 temperature=0, extra_headers={"x-pd-mode": mode})
+    for choice, ids in zip(out.choices, prompts, strict=True):
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + 1
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert choice.text.startswith(bytes(ids).decode())
+        expected = _transformers_logprobs(tiny_model_dir, ids)
+        for i in range(1, len(ids)):
+            assert abs(lp.token_logprobs[i] - expected[i - 1, ids[i]].item()) < 1e-4
+            assert len(lp.top_logprobs[i]) >= 1
+    only_prompt = oai.completions.create(model="tiny", prompt="echo me", echo=True, max_tokens=0,
+                                         extra_headers={"x-pd-mode": mode})
+    assert only_prompt.choices[0].text == "echo me" and only_prompt.usage.completion_tokens == 0
+
+
+@pytest.mark.parametrize("mode", ["local", "disagg"])
+def test_generated_logprobs_shapes(oai, mode):
+    text = oai.completions.create(model="tiny", prompt="shapes of logprobs " * 3, max_tokens=3, logprobs=2,
+                                  temperature=0, extra_headers={"x-pd-mode": mode}).choices[0]
+    assert len(text.logprobs.tokens) == len(text.logprobs.token_logprobs) == 3
+    assert all(len(top) >= 1 for top in text.logprobs.top_logprobs)
+    assert "".join(text.logprobs.tokens) == text.text or text.finish_reason == "stop"
+    chat = oai.chat.completions.create(model="tiny", messages=CHAT, max_tokens=3, logprobs=True, top_logprobs=2,
+                                       temperature=0, extra_headers={"x-pd-mode": mode}).choices[0]
+    content = chat.logprobs.content
+    assert len(content) >= 1 and all(len(t.top_logprobs) == 2 and t.bytes for t in content)
+    assert content[0].top_logprobs[0].logprob >= content[0].top_logprobs[1].logprob
+    stream = oai.completions.create(model="tiny", prompt="shapes of logprobs " * 3, max_tokens=3, logprobs=2,
+                                    temperature=0, stream=True, extra_headers={"x-pd-mode": mode})
+    streamed = [lp for part in stream for c in part.choices if c.logprobs for lp in c.logprobs.token_logprobs]
+    assert streamed == text.logprobs.token_logprobs
+
+
+@pytest.mark.parametrize("mode", ["local", "disagg"])
+def test_response_format_json_schema_holds_or_is_a_400(oai, mode):
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}}, "required": ["a"],
+              "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "o", "schema": schema, "strict": True}}
+    out = oai.chat.completions.create(model="tiny", messages=CHAT, max_completion_tokens=6, seed=1,
+                                      response_format=fmt, extra_headers={"x-pd-mode": mode}).choices[0]
+    if out.finish_reason == "stop":
+        assert set(json.loads(out.message.content)) == {"a"}
+    bad = {"type": "json_schema", "json_schema": {"name": "o", "schema": {"type": "nonsense"}}}
+    _bad_request(lambda: oai.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1,
+                                                     response_format=bad), "response_format")
+
+
 @pytest.fixture()
 def unplaced_app(ray_cluster, tiny_model_dir, tmp_path, client):
     """Deploys an app whose chosen pools can never be placed; yields (client, deploy)."""
