@@ -113,6 +113,26 @@ class BlockManager:
             return None
         return [self._pop_free() for _ in range(num_blocks)]
 
+    def fork(self, parent: Sequence, child: Sequence) -> int | None:
+        """Give `child` (holding no blocks) `parent`'s computed KV: every full block shared
+        by reference, and a fresh block for the partial last one, where the two will
+        diverge; returns that block's id for the caller to copy the KV into (None when
+        there is none). With no free block for it, the child takes only the full blocks
+        and recomputes the few tokens after them."""
+        assert not child.block_ids, "fork needs a child without blocks"
+        num_full = parent.num_computed_tokens // self.block_size
+        shared = parent.block_ids[:num_full]
+        self._take(shared)
+        child.block_ids = list(shared)
+        child.num_hashed_blocks = min(parent.num_hashed_blocks, num_full)
+        child.num_computed_tokens = num_full * self.block_size
+        if child.num_computed_tokens == parent.num_computed_tokens or not self.free_queue:
+            return None
+        copy_id = self._pop_free()
+        child.block_ids.append(copy_id)
+        child.num_computed_tokens = parent.num_computed_tokens
+        return copy_id
+
     def free(self, seq: Sequence) -> None:
         """Release all of `seq`'s blocks at once, tail first."""
         self.release(seq.block_ids)

@@ -108,6 +108,12 @@ class KVCache:
         `digest`, if given, is fed the copy's bytes in order (see `copy_from_blocks`)."""
         return copy_from_blocks(self.layers[layer_idx], block_ids, digest, out)
 
+    def copy_block(self, src_id: int, dst_ids: list[int]) -> None:
+        """Copy block `src_id`'s KV, every layer, into each of `dst_ids` (copy-on-write of
+        the block where forked sequences diverge)."""
+        for layer in self.layers:
+            layer[:, dst_ids] = layer[:, src_id].unsqueeze(1)
+
     def write_blocks(self, layer_idx: int, block_ids: list[int], kv: KVPayload,
                      digest: ByteDigest | None = None) -> None:
         expected = self.layout.layer_shape(len(block_ids))

@@ -18,6 +18,7 @@ import torch
 from transformers import AutoTokenizer
 
 from workers.engine.attention import KVExport
+from workers.engine.best_of import BestOf, add_scores
 from workers.engine.block_manager import BlockManager
 from workers.engine.grammar import GrammarCompiler
 from workers.engine.kv_cache import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_MEMORY_FRACTION
@@ -60,7 +61,8 @@ class LLMEngine:
         self.step_cost = StepCostModel()
         self.num_background_requests = 0  # added with `yield_to_decode` (spilled prompts)
         self.num_prompt_tokens_computed = 0  # prompt positions run through the model (recomputes too)
-        self.requests: dict[str, Sequence] = {}  # unfinished, by request id
+        self.requests: dict[str, Sequence] = {}  # unfinished, by `Sequence.seq_id`
+        self.best_of = BestOf()  # holds the outputs of `best_of > n` requests until they end
         self.reservations: dict[str, Sequence] = {}  # KV imports in flight, by transfer id
         self._pending: list[RequestOutput] = []  # ends decided outside step(), reported by the next one
         # step() and the request/reservation calls may come from different threads (a
@@ -87,16 +89,17 @@ class LLMEngine:
             seq = self._new_sequence(request_id, prompt_token_ids, params, seed)
             seq.kv_sink = kv_sink
             self.scheduler.add(seq)
-            self.requests[request_id] = seq
+            self.requests[seq.seq_id] = seq
+            self.best_of.track(seq)
             self.num_background_requests += params.yield_to_decode
 
     def _new_sequence(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
-                      seed: int | None) -> Sequence:
-        if request_id in self.requests:
+                      seed: int | None, index: int = 0) -> Sequence:
+        if index == 0 and (request_id in self.requests or self._sequences_of(request_id)):
             raise ValueError(f"request id {request_id!r} is already running")
         prompt = [int(t) for t in prompt_token_ids]
         self._check_fits(prompt, params)
-        seq = Sequence(request_id, prompt, params, seed if seed is not None else request_seed(params),
+        seq = Sequence(request_id, prompt, params, seed if seed is not None else request_seed(params), index=index,
                        processor=OutputProcessor(self.tokenizer, prompt, params, self.eos_token_ids,
                                                  self.detokenize))
         seq.prompt_logprobs = new_prompt_logprobs(seq)
@@ -115,18 +118,21 @@ class LLMEngine:
                              f"({self.block_manager.num_blocks} blocks of {self.layout.block_size})")
 
     def abort_request(self, request_id: str) -> bool:
-        """End a request now, freeing its blocks; the next `step()` reports it. False if unknown."""
+        """End a request (all its sequences) now, freeing its blocks; the next `step()`
+        reports it. False if unknown."""
         with self._lock:
-            seq = self.requests.get(request_id)
-            if seq is None:
-                return False
-            self._finish(seq, "abort")
-            self._pending.append(self._output(seq, []))
-            return True
+            seqs = self._sequences_of(request_id)
+            for seq in seqs:
+                self._finish(seq, "abort")
+                self._pending.append(self._output(seq, []))
+            return bool(seqs)
+
+    def _sequences_of(self, request_id: str) -> list[Sequence]:
+        return [seq for seq in self.requests.values() if seq.request_id == request_id]
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
-        del self.requests[seq.request_id]
+        del self.requests[seq.seq_id]
         if seq.kv_sink is not None:  # its KV never went out completely
             seq.kv_sink.on_abort(reason)
             seq.kv_sink = None
@@ -145,7 +151,7 @@ class LLMEngine:
         with self._lock:
             if self._pending:
                 outputs, self._pending = self._pending, []
-                return outputs
+                return self.best_of.collect(outputs)
             start_time, t0 = time.time(), time.perf_counter()
             outputs = []
             batch = self.scheduler.schedule()
@@ -160,10 +166,45 @@ class LLMEngine:
                 for s in batch:
                     s.seq.num_computed_tokens = s.end
                     self.block_manager.cache_full_blocks(s.seq)
+                forked = self._fork(sampling, logits)  # before a parent that ends frees its blocks
                 outputs = [self._append_token(s.seq, t, lp)
                            for s, t, lp in zip(sampling, sampled.token_ids, sampled.logprobs, strict=True)]
+                add_scores([s.seq for s in sampling], logits)
+                outputs += forked
             self._record_step(batch, start_time, time.perf_counter() - t0)
-            return outputs
+            return self.best_of.collect(outputs)
+
+    def _fork(self, sampling: list[ScheduledSeq], logits: torch.Tensor) -> list[RequestOutput]:
+        """Fork every request with `num_sequences > 1` whose first token is sampled this step
+        (on the engine its KV is exported from, the receiving one forks it)."""
+        return [out for row, s in enumerate(sampling)
+                if s.seq.params.num_sequences > 1 and s.seq.index == 0 and not s.seq.output_token_ids
+                and s.seq.kv_sink is None
+                for out in self._fork_one(s.seq, logits[row])]
+
+    def _fork_one(self, parent: Sequence, logits: torch.Tensor) -> list[RequestOutput]:
+        """Sequences 1.. of `parent`'s request: each samples its first token from the
+        prompt's last logits with seed `parent.seed + index`, shares the prompt's full
+        blocks and gets its own copy of the partial last one (copy-on-write where they
+        diverge), then decodes on its own."""
+        children = [self._new_sequence(parent.request_id, parent.prompt_token_ids, parent.params,
+                                       parent.seed + i, index=i)
+                    for i in range(1, parent.params.num_sequences)]
+        copies = [self.block_manager.fork(parent, child) for child in children]
+        if any(b is not None for b in copies):
+            diverging = parent.block_ids[parent.num_computed_tokens // self.layout.block_size]
+            self.runner.kv_cache.copy_block(diverging, [b for b in copies if b is not None])
+        for child in children:
+            child.arrival, child.num_cached_tokens = parent.arrival, parent.num_cached_tokens
+            child.prompt_logprobs = parent.prompt_logprobs
+            self.requests[child.seq_id] = child
+            self.best_of.track(child)
+            self.scheduler.add(child)
+        child_logits = logits.expand(len(children), -1)
+        token_ids = self.sampler(child_logits, [self._sampling_row(c) for c in children])
+        outputs = [self._append_token(c, t) for c, t in zip(children, token_ids, strict=True)]
+        add_scores(children, child_logits)
+        return outputs
 
     def _add_prompt_logprobs(self, batch: list[ScheduledSeq], prompt_logits: list[torch.Tensor]) -> None:
         for s, rows in zip(batch, prompt_logits, strict=True):
@@ -212,7 +253,7 @@ class LLMEngine:
         return RequestOutput(seq.request_id, new_token_ids, list(seq.output_token_ids), seq.is_finished,
                              seq.finish_reason, text, seq.prompt_token_ids, seq.num_cached_tokens,
                              logprobs=list(logprobs) if seq.params.logprobs is not None else None,
-                             prompt_logprobs=self._prompt_logprobs(seq, new_token_ids))
+                             prompt_logprobs=self._prompt_logprobs(seq, new_token_ids), index=seq.index)
 
     @staticmethod
     def _prompt_logprobs(seq: Sequence, new_token_ids: list[int]) -> list[TokenLogprob | None] | None:
@@ -234,17 +275,20 @@ class LLMEngine:
 
     def generate(self, prompts: list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run `prompts` to completion; final outputs in input order (`.token_ids` = generated ids)."""
+        """Run `prompts` to completion; final outputs in input order (`.token_ids` = generated ids),
+        a prompt with `n > 1` giving its `n` in index order."""
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
         ids = [f"generate-{id(self)}-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
         for request_id, prompt, p in zip(ids, prompts, params_list, strict=True):
             self.add_request(request_id, prompt, p)
-        wanted, final = set(ids), {}
-        while len(final) < len(ids):
-            final.update((o.request_id, o) for o in self.step() if o.finished and o.request_id in wanted)
-        return [final[i] for i in ids]
+        wanted = {(i, index) for i, p in zip(ids, params_list, strict=True) for index in range(p.n)}
+        final: dict[tuple[str, int], RequestOutput] = {}
+        while len(final) < len(wanted):
+            final.update(((o.request_id, o.index), o) for o in self.step()
+                         if o.finished and (o.request_id, o.index) in wanted)
+        return [final[i, index] for i, p in zip(ids, params_list, strict=True) for index in range(p.n)]
 
     # -- KV import (decode side) --------------------------------------------------------------
 
@@ -312,7 +356,7 @@ class LLMEngine:
             if params.prompt_logprobs is not None:
                 seq.prompt_logprobs = prompt_logprobs
             self.block_manager.cache_full_blocks(seq)
-            self.requests[request_id] = seq
+            self.requests[seq.seq_id] = seq
             self.scheduler.add(seq)
             self._pending.append(self._append_token(seq, int(first_token_id), first_logprob))
 
@@ -343,7 +387,7 @@ class LLMEngine:
         """Assert no block is leaked or double-freed and every request is where it should be."""
         with self._lock:
             queued = self.scheduler.running + self.scheduler.waiting
-            assert {s.request_id for s in queued} == set(self.requests), "requests and queues disagree"
+            assert {s.seq_id for s in queued} == set(self.requests), "requests and queues disagree"
             assert len(queued) == len(self.requests), "a request is queued twice"
             tables = [s.block_ids for s in queued] + [r.block_ids for r in self.reservations.values()]
             self.block_manager.check_integrity(tables)

@@ -102,13 +102,13 @@ class Scheduler:
                 victim = self.running[-1]  # sorts last: background, lowest priority, latest arrival
                 self._preempt(victim)
                 preempted = True
-                undone = scheduled.pop(victim.request_id, None)
+                undone = scheduled.pop(victim.seq_id, None)
                 if undone is not None:
                     budget += undone.num_new_tokens
                 if victim is seq:
                     break
             if seq.status is SequenceStatus.RUNNING:
-                scheduled[seq.request_id] = ScheduledSeq(seq, num_new)
+                scheduled[seq.seq_id] = ScheduledSeq(seq, num_new)
                 budget -= num_new
         return list(scheduled.values()), preempted
 

@@ -49,7 +49,14 @@ class Sequence:
     # With `params.prompt_logprobs`: the prompt's entries computed so far ([None] for the
     # first token, then one per computed position), until the first output reports them.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    index: int = 0  # which of the request's `params.num_sequences` this is (children fork from 0)
+    cumulative_logprob: float = 0.0  # of its generated tokens under the raw logits (for best_of)
     _block_hashes: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def seq_id(self) -> str:
+        """The engine's key for this sequence: its request's id, suffixed for a forked one."""
+        return self.request_id if self.index == 0 else f"{self.request_id}\x00{self.index}"
 
     @property
     def token_ids(self) -> list[int]:

@@ -1,0 +1,128 @@
+"""n > 1 and best_of: one prefill, forked sequences sharing the prompt's blocks (a copy of
+the partial last one), each exactly the run a single request with seed + i makes; the
+block pool stays consistent through aborts and preemptions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.engine_support import make_engine_fixture, random_prompts  # noqa: F401
+from workers.engine import SamplingParams
+
+SEED = 1234
+
+
+def sampled(**kw) -> SamplingParams:
+    return SamplingParams(**{"max_tokens": 12, "temperature": 0.9, "top_k": 40, "ignore_eos": True,
+                             "seed": SEED, **kw})
+
+
+def separate_runs(make_engine, prompt: list[int], params: SamplingParams, num: int) -> list[list[int]]:
+    engine = make_engine()
+    return [engine.generate([prompt], SamplingParams(**{**params.__dict__, "n": 1, "best_of": None,
+                                                        "seed": SEED + i}))[0].token_ids
+            for i in range(num)]
+
+
+def run_checked(engine, request_id: str, prompt: list[int], params: SamplingParams) -> dict:
+    """Step to the end, checking integrity after every step; final outputs by index."""
+    engine.add_request(request_id, prompt, params)
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                assert out.index not in final
+                final[out.index] = out
+        engine.check_integrity()
+    return final
+
+
+@pytest.mark.parametrize("prompt_len", [20, 32, 5])
+def test_n3_prefills_once_and_each_sequence_is_its_seed(make_engine, prompt_len):
+    prompt = random_prompts([prompt_len], seed=prompt_len)[0]
+    params = sampled(n=3)
+    engine = make_engine()
+    final = run_checked(engine, "r", prompt, params)
+    assert sorted(final) == [0, 1, 2]
+    assert engine.stats()["num_prompt_tokens_computed"] == prompt_len
+    want = separate_runs(make_engine, prompt, params, 3)
+    assert [final[i].token_ids for i in range(3)] == want
+    assert len({tuple(w) for w in want}) == 3  # they really differ
+    assert engine.stats()["kv_blocks_free"] == engine.stats()["kv_blocks_total"]
+
+
+def test_children_share_full_prompt_blocks_and_copy_the_partial_one(make_engine):
+    engine = make_engine()
+    prompt = random_prompts([40], seed=3)[0]  # two full blocks + 8 tokens
+    engine.add_request("r", prompt, sampled(n=3, max_tokens=4))
+    while len(engine._sequences_of("r")) < 3:
+        engine.step()
+    seqs = sorted(engine._sequences_of("r"), key=lambda s: s.index)
+    full = [s.block_ids[:2] for s in seqs]
+    assert full[0] == full[1] == full[2]
+    assert all(engine.block_manager.blocks[b].ref_count == 3 for b in full[0])
+    assert len({s.block_ids[2] for s in seqs}) == 3
+    engine.check_integrity()
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_generate_returns_n_outputs_per_prompt_and_n1_is_unchanged(make_engine):
+    engine = make_engine()
+    prompts = random_prompts([9, 18], seed=5)
+    outs = engine.generate(prompts, [sampled(n=2), sampled()])
+    assert [(o.request_id == outs[0].request_id, o.index) for o in outs] == [(True, 0), (True, 1), (False, 0)]
+    assert outs[2].token_ids == make_engine().generate([prompts[1]], sampled())[0].token_ids
+
+
+def test_best_of_returns_the_most_likely_and_streams_nothing_before(make_engine, tiny_model_dir):
+    prompt = random_prompts([15], seed=8)[0]
+    params = sampled(n=1, best_of=3, max_tokens=6)
+    engine = make_engine()
+    engine.add_request("r", prompt, params)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert len(outs) == 1 and outs[0].finished and outs[0].index == 0
+    candidates = separate_runs(make_engine, prompt, params, 3)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    scores = [cumulative_logprob(model, prompt, c) for c in candidates]
+    assert outs[0].token_ids == candidates[max(range(3), key=scores.__getitem__)]
+    assert outs[0].new_token_ids == outs[0].token_ids
+
+
+def cumulative_logprob(model, prompt: list[int], generated: list[int]) -> float:
+    with torch.no_grad():
+        logprobs = model(torch.tensor([prompt + generated])).logits[0].float().log_softmax(-1)
+    return sum(logprobs[len(prompt) - 1 + j, t].item() for j, t in enumerate(generated))
+
+
+def test_best_of_n2_returns_two_reindexed(make_engine):
+    engine = make_engine()
+    outs = engine.generate([random_prompts([12], seed=2)[0]], sampled(n=2, best_of=4, max_tokens=5))
+    assert [o.index for o in outs] == [0, 1] and all(len(o.token_ids) == 5 for o in outs)
+
+
+def test_abort_of_a_forked_request_frees_everything(make_engine):
+    engine = make_engine()
+    engine.add_request("r", random_prompts([30], seed=4)[0], sampled(n=3, max_tokens=50))
+    while len(engine._sequences_of("r")) < 3:
+        engine.step()
+    engine.step()
+    assert engine.abort_request("r")
+    engine.check_integrity()
+    aborted = engine.step()
+    assert sorted(o.index for o in aborted) == [0, 1, 2] and all(o.finish_reason == "abort" for o in aborted)
+    assert not engine.has_unfinished_requests()
+    assert engine.stats()["kv_blocks_free"] == engine.stats()["kv_blocks_total"]
+
+
+def test_preempting_a_child_recomputes_it_exactly(make_engine):
+    prompt = random_prompts([40], seed=6)[0]
+    params = sampled(n=3, max_tokens=40)
+    engine = make_engine(num_kv_blocks=8)
+    final = run_checked(engine, "r", prompt, params)
+    assert engine.stats()["num_preemptions"] > 0
+    assert [final[i].token_ids for i in range(3)] == separate_runs(make_engine, prompt, params, 3)
