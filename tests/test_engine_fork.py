@@ -4,12 +4,15 @@ block pool stays consistent through aborts and preemptions."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from tests.engine_support import make_engine_fixture, random_prompts  # noqa: F401
-from workers.engine import SamplingParams
+from workers.async_engine import AsyncEngine
+from workers.engine import LLMEngine, SamplingParams
 
 SEED = 1234
 
@@ -126,3 +129,28 @@ def test_preempting_a_child_recomputes_it_exactly(make_engine):
     final = run_checked(engine, "r", prompt, params)
     assert engine.stats()["num_preemptions"] > 0
     assert [final[i].token_ids for i in range(3)] == separate_runs(make_engine, prompt, params, 3)
+
+
+def test_async_engine_streams_each_sequence_by_index_until_all_end(make_engine, tiny_model_dir):
+    prompt = random_prompts([21], seed=9)[0]
+    params = sampled(n=3, max_tokens=7)
+    want = separate_runs(make_engine, prompt, params, 3)
+    best = make_engine().generate([prompt], sampled(n=1, best_of=3, max_tokens=7))[0].token_ids
+    aengine = AsyncEngine(LLMEngine(str(tiny_model_dir), device="cpu", num_kv_blocks=64))
+
+    async def collect(request_id, p):
+        got: dict[int, list[int]] = {}
+        finished = []
+        async for chunk in aengine.generate(request_id, prompt, p, seed=SEED):
+            got.setdefault(chunk.index, []).extend(chunk.token_ids)
+            finished += [chunk.index] * chunk.finished
+        return got, finished
+
+    try:
+        got, finished = asyncio.run(collect("r#0", params))
+        assert sorted(finished) == [0, 1, 2] and [got[i] for i in range(3)] == want
+        got, finished = asyncio.run(collect("b#0", sampled(n=1, best_of=3, max_tokens=7)))
+        assert finished == [0] and got[0] == best
+        asyncio.run(aengine.check_integrity())
+    finally:
+        aengine.shutdown()

@@ -24,7 +24,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from workers.engine.kv_types import ByteDigest, KVLayout, KVPayload, KVReservation, KVSink
@@ -53,6 +53,9 @@ class DeadlineExceeded(Exception):
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[RequestOutput | BaseException]
+    # Outputs taken from the queue but not yet merged: a chunk carries one sequence
+    # (`index`) of a request with n > 1, the others wait here for the next chunks.
+    backlog: deque[RequestOutput | BaseException] = field(default_factory=deque)
 
 
 class AsyncEngine:
@@ -186,7 +189,7 @@ class AsyncEngine:
         """Prefill locally and stream the output. `request_id` must be engine-unique."""
         add = lambda: self.engine.add_request(  # noqa: E731
             request_id, prompt_token_ids, params, kv_sink=kv_sink, seed=seed)
-        async for chunk in self._stream(request_id, add, deadline):
+        async for chunk in self._stream(request_id, add, deadline, params.n):
             yield chunk
 
     async def generate_from_kv(self, reservation: KVReservation, request_id: str,
@@ -200,21 +203,25 @@ class AsyncEngine:
         first output for the request (`LLMEngine.commit_kv`)."""
         commit = lambda: self._commit(reservation, request_id, params, first_token_id, seed,  # noqa: E731
                                       first_logprob, prompt_logprobs)
-        async for chunk in self._stream(request_id, commit, deadline):
+        async for chunk in self._stream(request_id, commit, deadline, params.n):
             yield chunk
 
     async def _stream(self, request_id: str, start: Callable[[], None],
-                      deadline: float | None) -> AsyncIterator[GenerateChunk]:
+                      deadline: float | None, num_outputs: int = 1) -> AsyncIterator[GenerateChunk]:
+        """Chunks of the request's `num_outputs` sequences (each chunk one `index`) until
+        every one has finished, or any was aborted."""
         assert request_id not in self._streams, f"duplicate engine request id {request_id}"
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         finished = False
+        num_finished = 0
         try:
             await self.call(start)
             while not finished:
                 chunk = await self._next_chunk(stream, deadline)
-                finished = chunk.finished
-                if chunk.token_ids or chunk.text or finished:
+                num_finished += chunk.finished
+                finished = num_finished == num_outputs or chunk.finish_reason == "abort"
+                if chunk.token_ids or chunk.text or chunk.finished:
                     yield chunk
         finally:
             self._streams.pop(request_id, None)
@@ -222,20 +229,26 @@ class AsyncEngine:
                 self.submit(self._abort_quietly, request_id)
 
     async def _next_chunk(self, stream: _Stream, deadline: float | None) -> GenerateChunk:
-        """Wait for the next engine output; all that queued up meanwhile become one chunk."""
+        """Wait for the next engine output; all that queued up meanwhile for the same
+        sequence become one chunk."""
         timeout = None if deadline is None else deadline - time.time()
         if timeout is not None and timeout <= 0:
             raise DeadlineExceeded
-        try:
-            items = [await asyncio.wait_for(stream.queue.get(), timeout)]
-        except asyncio.TimeoutError:
-            raise DeadlineExceeded from None
+        if not stream.backlog:
+            try:
+                stream.backlog.append(await asyncio.wait_for(stream.queue.get(), timeout))
+            except asyncio.TimeoutError:
+                raise DeadlineExceeded from None
         while not stream.queue.empty():
-            items.append(stream.queue.get_nowait())
-        chunk = GenerateChunk()
-        for item in items:
+            stream.backlog.append(stream.queue.get_nowait())
+        for item in stream.backlog:
             if isinstance(item, BaseException):
                 raise item
+        index = stream.backlog[0].index
+        items = [item for item in stream.backlog if item.index == index]
+        stream.backlog = deque(item for item in stream.backlog if item.index != index)
+        chunk = GenerateChunk(index=index)
+        for item in items:
             chunk.token_ids += item.new_token_ids
             if item.logprobs is not None:
                 chunk.logprobs = (chunk.logprobs or []) + item.logprobs

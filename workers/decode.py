@@ -7,6 +7,10 @@ replica, wait for the last layer and the first token, commit, stream. Every way 
 can fail (no prefill replica, no room, prefill error, transfer error, timeout) ends in a
 local prefill of the same request, reported with its reason; never a hang, never a leak:
 the reservation is always either committed or cancelled.
+
+A request with several sequences (`n` / `best_of` > 1) is prefilled here (route "local",
+the router's reason kept): the transport carries one first token per transfer, and its
+sequences fork from the prompt where it was prefilled.
 """
 
 from __future__ import annotations
@@ -59,7 +63,8 @@ class DecodeWorker(EngineWorker):
         return stats
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        stream = self._disagg(req) if req.route == "disagg" else self._local(req, "local", req.reason)
+        disagg = req.route == "disagg" and req.params.num_sequences == 1
+        stream = self._disagg(req) if disagg else self._local(req, "local", req.reason)
         async for chunk in self._tracked(stream):
             yield chunk
 
