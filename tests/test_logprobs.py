@@ -159,3 +159,20 @@ def test_done_header_refuses_malformed_logprobs(fields):
     codec = WireCodec(b"k" * 32)
     with pytest.raises(TransferCorrupt):
         codec.open(*codec.seal(Header(DONE, "t", 1, first_token_id=3, **fields)))
+
+
+def test_every_sequence_of_n_reports_its_own_logprobs(make_engine, hf_model):
+    """Forked sequences sample their first token from the parent's logits: each still
+    reports one logprob per token, equal to transformers' on its own output."""
+    engine = make_engine()
+    params = SamplingParams(max_tokens=5, temperature=1.0, n=3, logprobs=2, ignore_eos=True)
+    engine.add_request("n3", PROMPTS[1], params, seed=5)
+    token_ids, logprobs = {}, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.logprobs is not None and len(out.logprobs) == len(out.new_token_ids)
+            token_ids.setdefault(out.index, []).extend(out.new_token_ids)
+            logprobs.setdefault(out.index, []).extend(out.logprobs)
+    assert sorted(token_ids) == [0, 1, 2]
+    for index, ids in token_ids.items():
+        assert_matches_hf(hf_model, PROMPTS[1], ids, logprobs[index], 2)

@@ -201,8 +201,9 @@ class LLMEngine:
             self.best_of.track(child)
             self.scheduler.add(child)
         child_logits = logits.expand(len(children), -1)
-        token_ids = self.sampler(child_logits, [self._sampling_row(c) for c in children])
-        outputs = [self._append_token(c, t) for c, t in zip(children, token_ids, strict=True)]
+        sampled = self.sampler.sample(child_logits, [self._sampling_row(c) for c in children])
+        outputs = [self._append_token(c, t, lp)
+                   for c, t, lp in zip(children, sampled.token_ids, sampled.logprobs, strict=True)]
         add_scores(children, child_logits)
         return outputs
 
