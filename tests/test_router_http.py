@@ -404,6 +404,20 @@ def test_response_format_json_schema_holds_or_is_a_400(oai, mode):
                                                      response_format=bad), "response_format")
 
 
+@pytest.mark.parametrize("mode", ["local", "disagg"])
+def test_lm_eval_loglikelihoods_match_transformers(client, tiny_model_dir, tmp_path, mode):
+    """lm-eval-harness's `local-completions` runs a multiple-choice task against the server;
+    its loglikelihoods equal transformers' own on both routes."""
+    from tests.lm_eval_support import reference_loglikelihoods, served_loglikelihoods, write_task
+
+    served = served_loglikelihoods(str(client.base_url), tiny_model_dir.name, tiny_model_dir,
+                                   write_task(tmp_path / "task"), {"x-pd-mode": mode})
+    reference = reference_loglikelihoods(tiny_model_dir)
+    assert [len(row) for row in served] == [len(row) for row in reference]
+    for got, want in zip(served, reference, strict=True):
+        assert got == pytest.approx(want, abs=1e-3)
+
+
 @pytest.fixture()
 def unplaced_app(ray_cluster, tiny_model_dir, tmp_path, client):
     """Deploys an app whose chosen pools can never be placed; yields (client, deploy)."""
