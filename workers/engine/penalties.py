@@ -16,6 +16,7 @@ smaller than the model's logits, never larger).
 
 from __future__ import annotations
 
+import array
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -43,41 +44,55 @@ def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """`logits` with the repetition, frequency and presence penalties of the rows that have
-    any (a new tensor when some row has; the input is never modified)."""
+    any (a new tensor when some row has; the input is never modified).
+
+    Only the (row, token) cells a row has seen are touched, addressed as keys
+    `row * vocab_size + token` (output tokens counted by `torch.unique`), so the cost
+    follows the number of tokens, not rows x vocabulary."""
     idx = [i for i, row in enumerate(rows) if has_penalties(row)]
     if not idx:
         return logits
     chosen = [rows[i] for i in idx]
-    device, vocab_size = logits.device, logits.shape[1]
-    index = _tensor(idx, device)
-    sub = logits[index]
-    seen = token_counts([[*r.prompt_token_ids, *r.output_token_ids] for r in chosen], vocab_size, device) > 0
-    sub = repetition_penalty(sub, seen, _column([r.params.repetition_penalty for r in chosen], sub))
-    counts = token_counts([r.output_token_ids for r in chosen], vocab_size, device)
-    sub = sub - _column([r.params.frequency_penalty for r in chosen], sub) * counts
-    sub = sub - _column([r.params.presence_penalty for r in chosen], sub) * (counts > 0)
-    return logits.index_copy(0, index, sub)
+    output_keys = token_keys([r.output_token_ids for r in chosen], idx, logits)
+    logits = logits.clone()
+    flat = logits.view(-1)
+    if any(r.params.repetition_penalty != 1.0 for r in chosen):
+        prompt_keys = token_keys([r.prompt_token_ids for r in chosen], idx, logits)
+        # A token seen twice is written twice with the same value: no need to deduplicate.
+        seen = torch.cat([prompt_keys, output_keys])
+        penalty = _per_row(rows, logits, lambda p: p.repetition_penalty)[seen // logits.shape[1]]
+        flat[seen] = repetition_penalty(flat[seen], penalty)
+    if any(r.params.frequency_penalty != 0.0 or r.params.presence_penalty != 0.0 for r in chosen):
+        keys, counts = torch.unique(output_keys, return_counts=True)
+        row_of = keys // logits.shape[1]
+        frequency = _per_row(rows, logits, lambda p: p.frequency_penalty)[row_of]
+        presence = _per_row(rows, logits, lambda p: p.presence_penalty)[row_of]
+        flat[keys] -= frequency * counts + presence
+    return logits
 
 
-def repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
-    """HF's rule on the `seen` tokens: positive logits divided by the penalty, others multiplied."""
-    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
-    return torch.where(seen, penalised, logits)
+def repetition_penalty(logits: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """HF's rule for seen tokens: positive logits divided by the penalty, others multiplied."""
+    return torch.where(logits > 0, logits / penalty, logits * penalty)
 
 
-def token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """`[len(token_ids), vocab_size]` fp32: how often each token occurs in each row's ids."""
-    counts = torch.zeros(len(token_ids), vocab_size, dtype=torch.float32, device=device)
-    flat = [t for ids in token_ids for t in ids if t < vocab_size]
-    if flat:
-        row_idx = [i for i, ids in enumerate(token_ids) for t in ids if t < vocab_size]
-        index = (_tensor(row_idx, device), _tensor(flat, device))
-        counts.index_put_(index, torch.ones(len(flat), device=device), accumulate=True)
-    return counts
+def token_keys(token_ids: Sequence[Sequence[int]], row_idx: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
+    """`row_idx[j] * vocab_size + t` for every token `t` of `token_ids[j]` inside the vocabulary."""
+    vocab_size = logits.shape[1]
+    tokens = torch.cat([_long_tensor(ids) for ids in token_ids])
+    row_of = torch.repeat_interleave(torch.tensor(row_idx, dtype=torch.long),
+                                     torch.tensor([len(ids) for ids in token_ids], dtype=torch.long))
+    keys = (row_of * vocab_size + tokens)[tokens < vocab_size]
+    return keys.to(logits.device)
 
 
-def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
+def _long_tensor(ids: Sequence[int]) -> torch.Tensor:
+    # Through array.array: ~10x faster than torch.tensor on a list of Python ints.
+    return torch.frombuffer(array.array("q", ids), dtype=torch.long) if len(ids) else torch.empty(0, dtype=torch.long)
+
+
+def _per_row(rows: Sequence[SamplingRow], like: torch.Tensor, value) -> torch.Tensor:
+    return torch.tensor([value(r.params) for r in rows], dtype=like.dtype, device=like.device)
 
 
 def _tensor(values: Sequence[int], device: torch.device) -> torch.Tensor:
