@@ -5,14 +5,21 @@ block pool stays consistent through aborts and preemptions."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from tests.engine_support import make_engine_fixture, random_prompts  # noqa: F401
+from tests.test_transport_backends import KEY, config
+from transport.base import TransferCorrupt
+from transport.factory import make_receiver, make_sender
+from transport.wire import DONE, Header, WireCodec, done_header, first_token
 from workers.async_engine import AsyncEngine
 from workers.engine import LLMEngine, SamplingParams
+from workers.engine.kv_types import FirstToken
+from workers.engine.sequence import TokenLogprob
 
 SEED = 1234
 
@@ -154,3 +161,53 @@ def test_async_engine_streams_each_sequence_by_index_until_all_end(make_engine, 
         asyncio.run(aengine.check_integrity())
     finally:
         aengine.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["local", "zmq"])
+def test_disaggregated_n3_samples_first_tokens_on_prefill_and_forks_on_decode(make_engine, backend):
+    """The prefill engine samples all three first tokens (seeds seed + i) and sends them
+    with the last layer; the decode engine forks the request: the same three sequences as
+    a local run, the prompt computed once (on the prefill engine)."""
+    prompt = random_prompts([37], seed=11)[0]
+    params = sampled(n=3, max_tokens=8, logprobs=2)
+    local = make_engine().generate([prompt], params)
+    prefill, decode = make_engine(), make_engine()
+    receiver = make_receiver(config(backend), decode, KEY)
+    sender = make_sender(config(backend), KEY)
+    try:
+        res = decode.reserve_kv("t", prompt)
+        receiver.expect("t", res, timeout=60)
+        sink = sender.open("t", receiver.address, prefill.layout, start_block=res.num_cached_blocks)
+        prefill.add_request("p", prompt, dataclasses.replace(params, max_tokens=1), kv_sink=sink, seed=SEED)
+        prefill_outs = []
+        while prefill.has_unfinished_requests():
+            prefill_outs += prefill.step()
+        assert [o.index for o in prefill_outs] == [0]  # the prefill engine does not fork
+        first = receiver.wait("t", 60)
+        sink.wait(60)
+        assert [first.token_id, *(s.token_id for s in first.siblings)] == [o.token_ids[0] for o in local]
+        assert [s.logprob.top for s in first.siblings] == [first.logprob.top] * 2
+        decode.commit_kv(res, "d", params, first.token_id, seed=SEED, first_logprob=first.logprob,
+                         siblings=first.siblings)
+        final = {}
+        while decode.has_unfinished_requests():
+            final.update((o.index, o) for o in decode.step() if o.finished)
+            decode.check_integrity()
+    finally:
+        sender.close()
+        receiver.close()
+    assert [final[i].token_ids for i in range(3)] == [o.token_ids for o in local]
+    assert prefill.stats()["num_prompt_tokens_computed"] == len(prompt)
+    assert decode.stats()["num_prompt_tokens_computed"] == 0
+
+
+def test_done_header_carries_sibling_first_tokens():
+    codec = WireCodec(b"k" * 32)
+    top = ((4, -0.25), (9, -1.5))
+    siblings = (FirstToken(9, TokenLogprob(9, -1.5, top)), FirstToken(4, TokenLogprob(4, -0.25, top)))
+    opened = first_token(codec.open(*codec.seal(done_header("t", 1, 4, TokenLogprob(4, -0.25, top), siblings))))
+    assert opened.siblings == siblings
+    plain = first_token(codec.open(*codec.seal(done_header("t", 1, 4, None, (FirstToken(7),)))))
+    assert plain.siblings == (FirstToken(7),) and plain.logprob is None
+    with pytest.raises(TransferCorrupt):
+        codec.open(*codec.seal(Header(DONE, "t", 1, first_token_id=3, sibling_token_ids=[-1])))

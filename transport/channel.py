@@ -40,7 +40,7 @@ from transport.export_pool import NO_LEASE, ExportLease, ExportPool, SinkLender
 from transport.metrics import TransportMetrics
 from transport.paths.base import SendPath
 from transport.wire import ABORT, ACK, DONE, LAYER, NACK, RELEASE, Header, WireCodec, done_header
-from workers.engine.kv_types import KVLayout
+from workers.engine.kv_types import FirstToken, KVLayout
 from workers.engine.sequence import TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -98,9 +98,10 @@ class ChannelSink(SenderSink):
             return
         self._channel.submit(self, LAYER, (layer_idx, kv, checksum), lease)
 
-    def on_complete(self, first_token_id: int, logprob: TokenLogprob | None = None) -> None:
+    def on_complete(self, first_token_id: int, logprob: TokenLogprob | None = None,
+                    siblings: tuple[FirstToken, ...] = ()) -> None:
         if not self.done:
-            self._channel.submit(self, DONE, (int(first_token_id), logprob))
+            self._channel.submit(self, DONE, (int(first_token_id), logprob, tuple(siblings)))
 
     def on_abort(self, reason: str) -> None:
         self._lender.drop_unclaimed()

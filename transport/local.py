@@ -26,7 +26,7 @@ from transport.config import TransportConfig
 from transport.metrics import TransportMetrics
 from transport.transfers import TableReceiver, TransferTable
 from transport.wire import DONE, INLINE, LAYER, Header, done_header
-from workers.engine.kv_types import KVLayout, KVTarget
+from workers.engine.kv_types import FirstToken, KVLayout, KVTarget
 from workers.engine.sequence import TokenLogprob
 
 _RECEIVERS: weakref.WeakValueDictionary[str, LocalReceiver] = weakref.WeakValueDictionary()
@@ -116,10 +116,11 @@ class LocalSink(SenderSink):
             [1, *kv.shape], layout.block_size, self._fingerprint,
             kv.numel() * kv.element_size(), data_path=INLINE), kv)
 
-    def on_complete(self, first_token_id: int, logprob: TokenLogprob | None = None) -> None:
+    def on_complete(self, first_token_id: int, logprob: TokenLogprob | None = None,
+                    siblings: tuple[FirstToken, ...] = ()) -> None:
         if not self.done:
-            self._receiver.submit(self, done_header(self.transfer_id, next(self._seq), first_token_id, logprob),
-                                  None)
+            self._receiver.submit(self, done_header(self.transfer_id, next(self._seq), first_token_id, logprob,
+                                                    tuple(siblings)), None)
 
     def on_abort(self, reason: str) -> None:
         if self.fail(TransferAborted(f"prefill aborted: {reason}", "prefill_abort",

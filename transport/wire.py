@@ -19,6 +19,7 @@ from workers.engine.sampling_params import MAX_LOGPROBS
 from workers.engine.sequence import TokenLogprob
 
 PROTOCOL_VERSION = 2  # 2: the MAC covers DOMAIN + header
+MAX_SIBLINGS = 1024  # first tokens of a request's other sequences (n - 1) in one DONE
 DOMAIN = b"pdc-kv-header\0"
 
 # Message kinds. Sender -> receiver: HELLO (data-path handshake), LAYER, DONE, ABORT.
@@ -55,6 +56,10 @@ class Header:
     first_logprob: float | None = None
     first_top_ids: list[int] = field(default_factory=list)
     first_top_logprobs: list[float] = field(default_factory=list)
+    # DONE, when the request has n > 1: the first tokens of its sequences 1, 2, ..., and
+    # (with logprobs) their logprobs; their top alternatives are the first token's (same logits).
+    sibling_token_ids: list[int] = field(default_factory=list)
+    sibling_logprobs: list[float] = field(default_factory=list)
     error: str = ""  # NACK/ABORT: TransferError.kind
     reason: str = ""  # NACK/ABORT: finer cause
     detail: str = ""  # NACK/ABORT: human-readable message
@@ -146,20 +151,31 @@ def _first_logprob_ok(header: Header) -> bool:
     return (len(ids) == len(logprobs) <= MAX_LOGPROBS
             and (header.first_logprob is not None or not ids)
             and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
-            and all(isinstance(lp, float) for lp in logprobs))
+            and all(isinstance(lp, float) for lp in logprobs)
+            and len(header.sibling_token_ids) <= MAX_SIBLINGS
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in header.sibling_token_ids)
+            and len(header.sibling_logprobs) in (0, len(header.sibling_token_ids))
+            and (header.first_logprob is not None or not header.sibling_logprobs)
+            and all(isinstance(lp, float) for lp in header.sibling_logprobs))
 
 
 def first_token(header: Header) -> FirstToken:
-    """The first token a DONE header carries, with its logprob if it has one."""
+    """The first token a DONE header carries, with its logprob if it has one, and its siblings'."""
     if header.first_logprob is None:
-        return FirstToken(header.first_token_id)
+        return FirstToken(header.first_token_id, siblings=tuple(FirstToken(t) for t in header.sibling_token_ids))
     top = tuple(zip(header.first_top_ids, header.first_top_logprobs, strict=True))
-    return FirstToken(header.first_token_id, TokenLogprob(header.first_token_id, header.first_logprob, top))
+    siblings = tuple(FirstToken(t, TokenLogprob(t, lp, top))
+                     for t, lp in zip(header.sibling_token_ids, header.sibling_logprobs, strict=True))
+    return FirstToken(header.first_token_id, TokenLogprob(header.first_token_id, header.first_logprob, top), siblings)
 
 
-def done_header(transfer_id: str, seq: int, first_token_id: int, logprob: TokenLogprob | None) -> Header:
-    """The DONE message of a transfer: its first token and that token's logprob, as plain numbers."""
+def done_header(transfer_id: str, seq: int, first_token_id: int, logprob: TokenLogprob | None,
+                siblings: tuple[FirstToken, ...] = ()) -> Header:
+    """The DONE message of a transfer: its first token and that token's logprob (and its
+    siblings', with n > 1), as plain numbers."""
     top = logprob.top[:MAX_LOGPROBS] if logprob is not None else ()
     return Header(DONE, transfer_id, seq, first_token_id=int(first_token_id),
                   first_logprob=None if logprob is None else float(logprob.logprob),
-                  first_top_ids=[int(t) for t, _ in top], first_top_logprobs=[float(lp) for _, lp in top])
+                  first_top_ids=[int(t) for t, _ in top], first_top_logprobs=[float(lp) for _, lp in top],
+                  sibling_token_ids=[int(s.token_id) for s in siblings],
+                  sibling_logprobs=[] if logprob is None else [float(s.logprob.logprob) for s in siblings])

@@ -27,7 +27,14 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from workers.engine.kv_types import ByteDigest, KVLayout, KVPayload, KVReservation, KVSink
+from workers.engine.kv_types import (
+    ByteDigest,
+    FirstToken,
+    KVLayout,
+    KVPayload,
+    KVReservation,
+    KVSink,
+)
 from workers.engine.sampling_params import SamplingParams
 from workers.protocol import GenerateChunk
 
@@ -167,12 +174,13 @@ class AsyncEngine:
 
     def _commit(self, res: KVReservation, request_id: str, params: SamplingParams,
                 first_token_id: int, seed: int, first_logprob: TokenLogprob | None,
-                prompt_logprobs: list[TokenLogprob | None] | None = None) -> None:
+                prompt_logprobs: list[TokenLogprob | None] | None = None,
+                siblings: tuple[FirstToken, ...] = ()) -> None:
         if not self._close(res):
             raise RuntimeError(f"reservation {res.transfer_id!r} already closed")
         try:
             self.engine.commit_kv(res, request_id, params, first_token_id, seed=seed, first_logprob=first_logprob,
-                                  prompt_logprobs=prompt_logprobs)
+                                  prompt_logprobs=prompt_logprobs, siblings=siblings)
         except BaseException:
             self.engine.cancel_kv(res)  # idempotent: frees the blocks unless commit took them
             raise
@@ -186,23 +194,25 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        seed: int, *, kv_sink: KVSink | None = None,
                        deadline: float | None = None) -> AsyncIterator[GenerateChunk]:
-        """Prefill locally and stream the output. `request_id` must be engine-unique."""
+        """Prefill locally and stream the output. `request_id` must be engine-unique. With a
+        `kv_sink` the request does not fork here (its KV and first tokens go to the sink)."""
         add = lambda: self.engine.add_request(  # noqa: E731
             request_id, prompt_token_ids, params, kv_sink=kv_sink, seed=seed)
-        async for chunk in self._stream(request_id, add, deadline, params.n):
+        async for chunk in self._stream(request_id, add, deadline, 1 if kv_sink is not None else params.n):
             yield chunk
 
     async def generate_from_kv(self, reservation: KVReservation, request_id: str,
                                params: SamplingParams, first_token_id: int, seed: int, *,
                                first_logprob: TokenLogprob | None = None,
                                prompt_logprobs: list[TokenLogprob | None] | None = None,
+                               siblings: tuple[FirstToken, ...] = (),
                                deadline: float | None = None) -> AsyncIterator[GenerateChunk]:
         """Turn a fully received reservation into a running request and stream it. The
         first chunk is `first_token_id` (the prefill replica's token) with its text and
         `first_logprob` (and `prompt_logprobs`, from the prefill call's reply), the engine's
         first output for the request (`LLMEngine.commit_kv`)."""
         commit = lambda: self._commit(reservation, request_id, params, first_token_id, seed,  # noqa: E731
-                                      first_logprob, prompt_logprobs)
+                                      first_logprob, prompt_logprobs, siblings)
         async for chunk in self._stream(request_id, commit, deadline, params.n):
             yield chunk
 

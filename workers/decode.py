@@ -8,9 +8,11 @@ can fail (no prefill replica, no room, prefill error, transfer error, timeout) e
 local prefill of the same request, reported with its reason; never a hang, never a leak:
 the reservation is always either committed or cancelled.
 
-A request with several sequences (`n` / `best_of` > 1) is prefilled here (route "local",
-the router's reason kept): the transport carries one first token per transfer, and its
-sequences fork from the prompt where it was prefilled.
+A request with n > 1 is disaggregated too: the prefill replica samples every sequence's
+first token (seeds seed + i) and they arrive with the last layer (`FirstToken.siblings`);
+this engine forks the request. One with `best_of > n` is prefilled here (route "local",
+the router's reason kept): ranking needs every first token's logprob, which only a local
+prefill has.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ class DecodeWorker(EngineWorker):
         return stats
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        disagg = req.route == "disagg" and req.params.num_sequences == 1
+        disagg = req.route == "disagg" and req.params.num_sequences == req.params.n
         stream = self._disagg(req) if disagg else self._local(req, "local", req.reason)
         async for chunk in self._tracked(stream):
             yield chunk
@@ -81,7 +83,7 @@ class DecodeWorker(EngineWorker):
         request_id = self.engine.new_request_id(req.request_id)
         stream = self.engine.generate_from_kv(res, request_id, req.params, first.token_id, req.seed,
                                               first_logprob=first.logprob, prompt_logprobs=prompt_logprobs,
-                                              deadline=req.deadline)
+                                              siblings=first.siblings, deadline=req.deadline)
         async for chunk in self.label_first(stream, req, "disagg", req.reason):
             yield chunk
 

@@ -136,7 +136,7 @@ class _StallingSink:
     def __init__(self, sink) -> None:
         self._sink = sink
 
-    def on_complete(self, first_token_id: int, logprob=None) -> None:  # noqa: ARG002 - swallowed on purpose
+    def on_complete(self, first_token_id: int, logprob=None, siblings=()) -> None:  # noqa: ARG002 - swallowed on purpose
         return None
 
     def __getattr__(self, name: str):

@@ -11,8 +11,10 @@ Prefill side (the engine calls a `KVSink` the transport made):
     sink.new_digest()                          engine, per layer: the checksum to feed while copying
     sink.export_buffer(nbytes)                 engine, per layer: a host buffer to copy into, or None
     sink.on_layer(layer_idx, kv, checksum)     engine's step thread, as soon as a layer is written
-    sink.on_complete(first_token_id, logprob)  engine, when the prompt's first token is sampled
-                                               (`logprob`: its TokenLogprob, None unless asked)
+    sink.on_complete(first_token_id, logprob, siblings)
+                                               engine, when the prompt's first token is sampled
+                                               (`logprob`: its TokenLogprob, None unless asked;
+                                               `siblings`: with n > 1, sequences 1..'s first tokens)
     sink.on_abort(reason)                      engine, when the request ends before that
 
 Decode side (a receiver writes into a `KVTarget`: `LLMEngine`, the thread-safe
@@ -24,8 +26,9 @@ Decode side (a receiver writes into a `KVTarget`: `LLMEngine`, the thread-safe
                                                receiver's threads, once per layer; `kv` is a
                                                tensor, a `FramedKV` or a `StreamedKV`
     target.cancel_kv(res)                      receiver on any failure, decode worker on its own
-    receiver's result: FirstToken(token_id, logprob), what the sink's on_complete got
-    LLMEngine.commit_kv(res, request_id, params, first_token_id, seed=..., first_logprob=...)
+    receiver's result: FirstToken(token_id, logprob, siblings), what the sink's on_complete got
+    LLMEngine.commit_kv(res, request_id, params, first_token_id, seed=..., first_logprob=...,
+                        siblings=...)                 (siblings: n > 1, the request forks there)
                                                decode worker, with the first token the
                                                receiver got with the last layer; that token
                                                is the request's first output (its text from
@@ -96,6 +99,9 @@ class FirstToken:
 
     token_id: int
     logprob: TokenLogprob | None = None
+    # With n > 1: the first tokens of the request's sequences 1, 2, ... (seeds seed + i),
+    # sampled from the same logits; the receiving engine forks the request into them.
+    siblings: tuple[FirstToken, ...] = ()
 
 
 @dataclass
@@ -147,10 +153,12 @@ class KVSink(Protocol):
     def on_layer(self, layer_idx: int, kv: torch.Tensor, checksum: int | None = None) -> None:
         """`checksum`: the `new_digest()` result over `kv`'s bytes, when the engine made one."""
 
-    def on_complete(self, first_token_id: int, logprob: TokenLogprob | None = None) -> None:
+    def on_complete(self, first_token_id: int, logprob: TokenLogprob | None = None,
+                    siblings: tuple[FirstToken, ...] = ()) -> None:
         """All layers were handed over; `first_token_id` is the token prefill sampled and
-        `logprob` its log-probability (None unless the request asked for logprobs). The
-        transport delivers both with the last layer: they are what the decode side commits."""
+        `logprob` its log-probability (None unless the request asked for logprobs);
+        `siblings` the other sequences' first tokens when the request has n > 1. The
+        transport delivers them with the last layer: they are what the decode side commits."""
 
     def on_abort(self, reason: str) -> None:
         """The request ended before its KV was complete (abort, error, preemption)."""

@@ -8,6 +8,7 @@ decode workers (KV imported through `reserve_kv` / `write_kv_layer` / `commit_kv
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import deque
@@ -22,7 +23,14 @@ from workers.engine.best_of import BestOf, add_scores
 from workers.engine.block_manager import BlockManager
 from workers.engine.grammar import GrammarCompiler
 from workers.engine.kv_cache import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_MEMORY_FRACTION
-from workers.engine.kv_types import ByteDigest, KVLayout, KVPayload, KVReservation, KVSink
+from workers.engine.kv_types import (
+    ByteDigest,
+    FirstToken,
+    KVLayout,
+    KVPayload,
+    KVReservation,
+    KVSink,
+)
 from workers.engine.model_runner import ModelRunner, resolve_dtype
 from workers.engine.output_processor import OutputProcessor
 from workers.engine.prompt_logprobs import (
@@ -30,7 +38,7 @@ from workers.engine.prompt_logprobs import (
     new_prompt_logprobs,
     prompt_positions,
 )
-from workers.engine.sampler import Sampler, SamplingRow, request_seed
+from workers.engine.sampler import Sampler, SamplerOutput, SamplingRow, request_seed
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import DEFAULT_YIELD_TOKENS, ScheduledSeq, Scheduler
 from workers.engine.sequence import RequestOutput, Sequence, TokenLogprob
@@ -166,7 +174,7 @@ class LLMEngine:
                 for s in batch:
                     s.seq.num_computed_tokens = s.end
                     self.block_manager.cache_full_blocks(s.seq)
-                forked = self._fork(sampling, logits)  # before a parent that ends frees its blocks
+                forked = self._fork(sampling, logits, sampled)  # before a parent that ends frees its blocks
                 outputs = [self._append_token(s.seq, t, lp)
                            for s, t, lp in zip(sampling, sampled.token_ids, sampled.logprobs, strict=True)]
                 add_scores([s.seq for s in sampling], logits)
@@ -174,22 +182,42 @@ class LLMEngine:
             self._record_step(batch, start_time, time.perf_counter() - t0)
             return self.best_of.collect(outputs)
 
-    def _fork(self, sampling: list[ScheduledSeq], logits: torch.Tensor) -> list[RequestOutput]:
-        """Fork every request with `num_sequences > 1` whose first token is sampled this step
-        (on the engine its KV is exported from, the receiving one forks it)."""
-        return [out for row, s in enumerate(sampling)
-                if s.seq.params.num_sequences > 1 and s.seq.index == 0 and not s.seq.output_token_ids
-                and s.seq.kv_sink is None
-                for out in self._fork_one(s.seq, logits[row])]
+    def _fork(self, sampling: list[ScheduledSeq], logits: torch.Tensor,
+              sampled: SamplerOutput) -> list[RequestOutput]:
+        """Requests with `num_sequences > 1` whose first token is sampled this step: the
+        first tokens of their sequences 1.. are sampled from the same logits (seeds
+        seed + i), and the request forks into them here or, when its KV goes to another
+        engine, they go with it (`KVSink.on_complete`) and that engine forks it (`commit_kv`)."""
+        outputs = []
+        for row, s in enumerate(sampling):
+            parent = s.seq
+            if parent.params.num_sequences == 1 or parent.index or parent.output_token_ids:
+                continue
+            siblings = self._sample_siblings(parent, logits[row])
+            if parent.kv_sink is not None:
+                parent.kv_sink.on_complete(sampled.token_ids[row], sampled.logprobs[row], siblings)
+                parent.kv_sink = None
+                continue
+            children = self._fork_into(parent, siblings)
+            outputs += [self._append_token(c, f.token_id, f.logprob) for c, f in zip(children, siblings, strict=True)]
+            add_scores(children, logits[row].expand(len(children), -1))
+        return outputs
 
-    def _fork_one(self, parent: Sequence, logits: torch.Tensor) -> list[RequestOutput]:
-        """Sequences 1.. of `parent`'s request: each samples its first token from the
-        prompt's last logits with seed `parent.seed + index`, shares the prompt's full
-        blocks and gets its own copy of the partial last one (copy-on-write where they
-        diverge), then decodes on its own."""
+    def _sample_siblings(self, parent: Sequence, logits: torch.Tensor) -> tuple[FirstToken, ...]:
+        """First tokens of `parent`'s sequences 1.. from its first token's logits `[vocab]`:
+        `parent`'s sampling row (penalties, grammar mask) with seed `parent.seed + i`."""
+        row = self._sampling_row(parent, parent.matcher.allowed() if parent.matcher else None)
+        rows = [dataclasses.replace(row, seed=parent.seed + i) for i in range(1, parent.params.num_sequences)]
+        sampled = self.sampler.sample(logits.expand(len(rows), -1), rows)
+        return tuple(FirstToken(t, lp) for t, lp in zip(sampled.token_ids, sampled.logprobs, strict=True))
+
+    def _fork_into(self, parent: Sequence, siblings: Seq[FirstToken]) -> list[Sequence]:
+        """Sequences 1.. of `parent`'s request (whose prompt is computed): each shares the
+        prompt's full blocks and gets its own copy of the partial last one (copy-on-write
+        where they diverge), then decodes on its own from its first token in `siblings`."""
         children = [self._new_sequence(parent.request_id, parent.prompt_token_ids, parent.params,
                                        parent.seed + i, index=i)
-                    for i in range(1, parent.params.num_sequences)]
+                    for i in range(1, len(siblings) + 1)]
         copies = [self.block_manager.fork(parent, child) for child in children]
         if any(b is not None for b in copies):
             diverging = parent.block_ids[parent.num_computed_tokens // self.layout.block_size]
@@ -200,12 +228,7 @@ class LLMEngine:
             self.requests[child.seq_id] = child
             self.best_of.track(child)
             self.scheduler.add(child)
-        child_logits = logits.expand(len(children), -1)
-        sampled = self.sampler.sample(child_logits, [self._sampling_row(c) for c in children])
-        outputs = [self._append_token(c, t, lp)
-                   for c, t, lp in zip(children, sampled.token_ids, sampled.logprobs, strict=True)]
-        add_scores(children, child_logits)
-        return outputs
+        return children
 
     def _add_prompt_logprobs(self, batch: list[ScheduledSeq], prompt_logits: list[torch.Tensor]) -> None:
         for s, rows in zip(batch, prompt_logits, strict=True):
@@ -331,7 +354,8 @@ class LLMEngine:
     def commit_kv(self, reservation: KVReservation, request_id: str, params: SamplingParams,
                   first_token_id: int, *, seed: int | None = None,
                   first_logprob: TokenLogprob | None = None,
-                  prompt_logprobs: list[TokenLogprob | None] | None = None) -> None:
+                  prompt_logprobs: list[TokenLogprob | None] | None = None,
+                  siblings: Seq[FirstToken] = ()) -> None:
         """Turn a fully written reservation into a request that decodes as if prefilled here.
 
         `first_token_id` (sampled by the prefill worker) is appended as output token 0 and
@@ -339,7 +363,9 @@ class LLMEngine:
         request's own detokenizer and stop rules, exactly as for a token sampled here: a
         stop string or `max_tokens=1` can end the request on it. `first_logprob` (the
         prefill worker's, with the token) is reported with it as a local run would. `prompt_logprobs` (computed
-        where the prompt was) ride on that first output.
+        where the prompt was) ride on that first output. `siblings` (n > 1: the first tokens
+        of sequences 1.., sampled with the same logits) fork the request here, as a local
+        prefill would have.
         """
         with self._lock:
             missing = set(range(self.layout.num_layers)) - reservation.layers_written
@@ -358,8 +384,12 @@ class LLMEngine:
                 seq.prompt_logprobs = prompt_logprobs
             self.block_manager.cache_full_blocks(seq)
             self.requests[seq.seq_id] = seq
+            self.best_of.track(seq)
             self.scheduler.add(seq)
+            children = self._fork_into(seq, siblings)  # before a parent that ends frees its blocks
             self._pending.append(self._append_token(seq, int(first_token_id), first_logprob))
+            self._pending += [self._append_token(c, f.token_id, f.logprob)
+                              for c, f in zip(children, siblings, strict=True)]
 
     def cancel_kv(self, reservation: KVReservation) -> None:
         """Free a reservation's blocks (transfer failed or was abandoned); idempotent."""
