@@ -94,7 +94,8 @@ class PrefillWorker(EngineWorker):
 
 def prefill_params(params: SamplingParams) -> SamplingParams:
     """Sample exactly the first token as the decode replica would have: same distribution
-    and seed, EOS still masked when `min_tokens` asks for it, but stop after one token."""
+    and seed, EOS still masked when `min_tokens` asks for it, but stop after one token
+    (with n > 1 the engine also samples the other sequences' first tokens, sent with the KV)."""
     return dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1),
                                stop=(), ignore_eos=params.ignore_eos)
 

@@ -65,7 +65,7 @@ class PrefillRequest:
     request_id: str  # the client's x-request-id, for logs
     transfer_id: str  # request id + nonce, chosen by the decode worker; keys the transfer
     prompt_token_ids: list[int]
-    params: SamplingParams  # the request's own; the prefill worker samples one token
+    params: SamplingParams  # the request's own; the prefill worker samples the first token (n > 1: one per sequence)
     seed: int
     decode_address: str  # the decode replica's advertised transport address
     start_block: int  # blocks the decode replica already holds (prefix cache) are not sent
