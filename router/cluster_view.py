@@ -2,7 +2,9 @@
 this router has sent them since.
 
 Heartbeats arrive about every half second (`update`); between them the router counts
-its own requests on each replica (`begin` ... `end`), the prompt tokens still waiting
+its own sequences on each replica (`begin` ... `end`; a request of n sequences counts n
+where it decodes and one where it is only prefilled, as the engines count `num_running`
+after the fork), the prompt tokens still waiting
 for their first token there (its prefill backlog), and which prompt blocks it sent
 where (`PrefixIndex`). Where a request goes is decided from this view by
 `router/placement.py`; nothing here does I/O, so a simulator can drive it directly.
@@ -81,23 +83,23 @@ class ClusterView:
         return max(replica.load, self.inflight[replica.replica_id])
 
     def num_streams(self, replica: ReplicaInfo) -> int:
-        """Requests this router has past their first token on `replica`."""
+        """Sequences this router has past their first token on `replica`."""
         return max(0, self.inflight[replica.replica_id] - self.awaiting_first[replica.replica_id])
 
     # In-flight bookkeeping of one placed request: begin, first_token/prefill_done, end.
     def begin(self, placement: Placement) -> None:
-        for replica_id in _touched(placement):
-            self.inflight[replica_id] += 1
+        for replica_id, num_seqs in _touched(placement):
+            self.inflight[replica_id] += num_seqs
             self.index.insert(replica_id, placement.hashes)  # a prefill replica caches the prompt too
         if placement.prefill_on:
             self.backlog[placement.prefill_on] += placement.prefill_tokens
         if placement.target_replica:
-            self.awaiting_first[placement.target_replica] += 1
+            self.awaiting_first[placement.target_replica] += placement.num_sequences
 
     def end(self, placement: Placement) -> None:
         self.first_token(placement)
-        for replica_id in _touched(placement):
-            _decrement(self.inflight, replica_id)
+        for replica_id, num_seqs in _touched(placement):
+            _decrement(self.inflight, replica_id, num_seqs)
 
     def prefill_done(self, placement: Placement) -> None:
         """The first token is back: a disaggregated request no longer loads its prefill
@@ -115,12 +117,14 @@ class ClusterView:
         if placement.prefill_on:
             _decrement(self.backlog, placement.prefill_on, placement.prefill_tokens)
         if placement.target_replica:
-            _decrement(self.awaiting_first, placement.target_replica)
+            _decrement(self.awaiting_first, placement.target_replica, placement.num_sequences)
 
 
-def _touched(placement: Placement) -> list[str]:
+def _touched(placement: Placement) -> list[tuple[str, int]]:
+    """(replica, sequences counted there): every stream where it decodes, one prefill."""
     prefill = None if placement.prefill_released else placement.prefill_replica
-    return [r for r in (placement.target_replica, prefill) if r]
+    counted = ((placement.target_replica, placement.num_sequences), (prefill, 1))
+    return [(r, n) for r, n in counted if r]
 
 
 def _decrement(counter: Counter[str], key: str, amount: int = 1) -> None:

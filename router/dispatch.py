@@ -36,6 +36,7 @@ from cluster.config import WorkloadProfile
 from router.cluster_view import ClusterView
 from router.errors import APIError, unavailable
 from router.placement import Placement, place
+from router.policy import RequestWork
 from workers.engine.sampling_params import SamplingParams
 from workers.protocol import GenerateChunk, GenerateRequest
 from workers.stream.client import ReplicaGone, StreamCall, WorkerCallFailed, WorkerStreams
@@ -165,7 +166,7 @@ async def start(callers: Callers, view: ClusterView, draft: RequestDraft) -> Cal
     last_error: Exception | None = None
     for _attempt in range(2):
         placement = place(view, draft.prompt_ids, draft.params.max_tokens, draft.profile, draft.forced_mode,
-                          draft.offload_to_prefill)
+                          draft.offload_to_prefill, RequestWork.of(draft.params))
         request = draft.generate_request(placement, callers.prefill_address(placement, view))
         view.begin(placement)
         stream = callers.call(placement, request, view)

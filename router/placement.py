@@ -5,6 +5,11 @@ replica (shortest queue), asks the routing policy (router/policy.py), and may se
 local request whole to an idle prefill replica so that no hardware idles while the
 decode replica is the busier one. It reads the view and changes nothing; the caller
 records the request with `ClusterView.begin(placement)` when it sends it.
+
+The request's `RequestWork` changes the counts: n sequences need n of the decode
+replica's `max_num_seqs` and KV for n continuations (the prompt's full blocks shared), and
+a request that wants prompt logprobs recomputes its whole prompt, so no replica's cached
+prefix attracts it or shortens its prefill.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from dataclasses import dataclass, field
 from cluster.config import WorkloadProfile
 from router.cluster_view import ClusterView, ReplicaInfo
 from router.errors import unavailable
-from router.policy import RouteContext, RouteDecision, decide
+from router.policy import PLAIN, RequestWork, RouteContext, RouteDecision, decide
 from workers.engine.kv_types import num_blocks
 from workers.engine.prefix_hash import block_hashes
 
@@ -35,12 +40,16 @@ class Placement:
     prefill_on: str | None = None  # the replica that computes the prompt
     prefill_tokens: int = 0  # the prompt tokens it computes (its expected cache hit aside)
     first_token: bool = False  # the first token is back: the prompt is done, it decodes now
+    num_sequences: int = 1  # streams it decodes on `target_replica` (n / best_of)
 
 
 def place(view: ClusterView, prompt_ids: list[int], max_tokens: int, profile: WorkloadProfile,
-          forced_mode: str | None, offload_to_prefill: bool = True) -> Placement:
+          forced_mode: str | None, offload_to_prefill: bool = True, work: RequestWork = PLAIN) -> Placement:
     """Where the request runs; a 503 `APIError` when no replica can take it."""
     hashes = block_hashes(prompt_ids, view.block_size)
+    # Hashes a replica's cache could serve: none when the prompt is recomputed whole. All
+    # of `hashes` are still recorded where it goes: the engine registers its blocks.
+    hits = [] if work.prompt_logprobs else hashes
     decodes, prefills = view.healthy("decode"), view.healthy("prefill")
     if not decodes and not prefills:  # every heartbeat overdue (a saturated CPU): not a dead pool
         decodes = view.overdue("decode")
@@ -48,26 +57,28 @@ def place(view: ClusterView, prompt_ids: list[int], max_tokens: int, profile: Wo
         raise unavailable("No healthy decode or prefill replica")
     prefill = min(prefills, key=view.load, default=None)
     if not decodes:  # only prefill replicas are left: they can run requests whole
-        return _whole_on(view, prefill, hashes, prompt_ids, RouteDecision("local", "decode-busy"))
-    decode, hit_blocks = _choose_decode(view, decodes, hashes)
+        return _whole_on(view, prefill, hashes, hits, prompt_ids, RouteDecision("local", "decode-busy"), work)
+    decode, hit_blocks = _choose_decode(view, decodes, hits)
     num_cached = min(hit_blocks * view.block_size, len(prompt_ids) - 1)
     ctx = RouteContext(
         prompt_len=len(prompt_ids), num_cached_tokens=num_cached, profile=profile,
         forced_mode=forced_mode, num_healthy_prefill=len(prefills),
         prefill_queue_len=view.load(prefill) if prefill else 0,
-        decode_has_room=_has_room(view, decode, len(prompt_ids) + max_tokens, hit_blocks),
+        decode_has_room=_has_room(view, decode, len(prompt_ids), max_tokens, hit_blocks, work.num_sequences),
         prefill_backlog_tokens=view.backlog[prefill.replica_id] if prefill else 0,
         decode_backlog_tokens=view.backlog[decode.replica_id], decode_num_streams=view.num_streams(decode),
-        prefill_stats=dict(prefill.stats) if prefill else {}, decode_stats=dict(decode.stats))
+        prefill_stats=dict(prefill.stats) if prefill else {}, decode_stats=dict(decode.stats), work=work)
     decision = decide(ctx)
     if decision.route == "disagg":
-        prefill_hit = view.index.num_matched_blocks(prefill.replica_id, hashes) * view.block_size
+        prefill_hit = view.index.num_matched_blocks(prefill.replica_id, hits) * view.block_size
         return Placement("decode", decode.replica_id, prefill.replica_id, decision, num_cached, hashes,
-                         prefill_on=prefill.replica_id, prefill_tokens=_uncached(prompt_ids, prefill_hit))
-    if offload_to_prefill and prefill is not None and _prefer_prefill(view, prefill, decode, hashes, hit_blocks):
-        return _whole_on(view, prefill, hashes, prompt_ids, decision)
+                         prefill_on=prefill.replica_id, prefill_tokens=_uncached(prompt_ids, prefill_hit),
+                         num_sequences=work.num_sequences)
+    if offload_to_prefill and prefill is not None and _prefer_prefill(view, prefill, decode, hits, hit_blocks):
+        return _whole_on(view, prefill, hashes, hits, prompt_ids, decision, work)
     return Placement("decode", decode.replica_id, None, decision, num_cached, hashes,
-                     prefill_on=decode.replica_id, prefill_tokens=_uncached(prompt_ids, num_cached))
+                     prefill_on=decode.replica_id, prefill_tokens=_uncached(prompt_ids, num_cached),
+                     num_sequences=work.num_sequences)
 
 
 def _choose_decode(view: ClusterView, decodes: list[ReplicaInfo], hashes: list[int]) -> tuple[ReplicaInfo, int]:
@@ -79,14 +90,25 @@ def _choose_decode(view: ClusterView, decodes: list[ReplicaInfo], hashes: list[i
     return best, hits[best.replica_id]
 
 
-def _has_room(view: ClusterView, replica: ReplicaInfo, num_tokens: int, hit_blocks: int) -> bool:
+def _has_room(view: ClusterView, replica: ReplicaInfo, prompt_len: int, max_tokens: int, hit_blocks: int,
+              num_sequences: int) -> bool:
+    """The replica has a sequence slot per stream (all of its `max_num_seqs` for a request
+    of more, as the scheduler admits it) and KV blocks for every stream's continuation."""
     stats = replica.stats
-    if view.load(replica) >= view.max_num_seqs:
+    if view.load(replica) + min(num_sequences, view.max_num_seqs) > view.max_num_seqs:
         return False
     if "kv_blocks_free" not in stats:
         return True
-    blocks_needed = num_blocks(num_tokens, view.block_size) - hit_blocks
-    return int(stats["kv_blocks_free"]) >= blocks_needed
+    return int(stats["kv_blocks_free"]) >= _blocks_needed(view.block_size, prompt_len, max_tokens, hit_blocks,
+                                                          num_sequences)
+
+
+def _blocks_needed(block_size: int, prompt_len: int, max_tokens: int, hit_blocks: int, num_sequences: int) -> int:
+    """Forked sequences share the prompt's full blocks; each holds its own copy of the
+    partial last one and the blocks of its own continuation."""
+    shared = prompt_len // block_size
+    per_sequence = num_blocks(prompt_len + max_tokens, block_size) - shared
+    return max(0, shared - hit_blocks) + num_sequences * per_sequence
 
 
 def _prefer_prefill(view: ClusterView, prefill: ReplicaInfo, decode: ReplicaInfo, hashes: list[int],
@@ -97,12 +119,13 @@ def _prefer_prefill(view: ClusterView, prefill: ReplicaInfo, decode: ReplicaInfo
     return view.load(prefill) == 0 and view.load(decode) > 0 and prefill_hit >= decode_hit_blocks
 
 
-def _whole_on(view: ClusterView, prefill: ReplicaInfo, hashes: list[int], prompt_ids: list[int],
-              decision: RouteDecision) -> Placement:
-    hit = view.index.num_matched_blocks(prefill.replica_id, hashes)
+def _whole_on(view: ClusterView, prefill: ReplicaInfo, hashes: list[int], hits: list[int], prompt_ids: list[int],
+              decision: RouteDecision, work: RequestWork) -> Placement:
+    hit = view.index.num_matched_blocks(prefill.replica_id, hits)
     num_cached = min(hit * view.block_size, len(prompt_ids) - 1)
     return Placement("prefill", prefill.replica_id, None, decision, num_cached, hashes,
-                     prefill_on=prefill.replica_id, prefill_tokens=_uncached(prompt_ids, num_cached))
+                     prefill_on=prefill.replica_id, prefill_tokens=_uncached(prompt_ids, num_cached),
+                     num_sequences=work.num_sequences)
 
 
 def _uncached(prompt_ids: list[int], num_cached: int) -> int:

@@ -7,6 +7,10 @@ profile) and asks `RoutingPolicy.decide`. Policies are pure functions of that co
 so they are table-tested and a smarter `auto` (one that predicts TTFT/TPOT from the
 replicas' live step times, carried in `prefill_stats` / `decode_stats`) drops in behind
 the same interface.
+
+What a request asks beyond one plain stream is in `RequestWork` (from its
+SamplingParams): n / best_of sequences decode from one prefill, prompt logprobs recompute
+the whole prompt (no prefix-cache hit), and a grammar mask costs time per decode token.
 """
 
 from __future__ import annotations
@@ -16,8 +20,36 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.config import WorkloadProfile
+from workers.engine.sampling_params import SamplingParams
 from workers.engine.step_cost import YIELD_STEP_FRACTION
 from workers.protocol import REASONS, Route
+
+# A guided request's decode token costs this many plain ones: the grammar helper measured
+# 0.91x tokens/s with masks computed on a background thread (tiny model, CPU). The grammar
+# runs wherever the request decodes, on either route, so local-vs-disagg does not depend on
+# it; a predictive policy weighs a replica's decode load with it (`RequestWork.decode_cost`).
+GUIDED_TOKEN_COST = 1.0 / 0.91
+
+
+@dataclass(frozen=True)
+class RequestWork:
+    """What one request asks of the engine beyond its prompt, as routing counts it."""
+
+    num_sequences: int = 1  # n / best_of: decode streams sharing one prefill of the prompt
+    prompt_logprobs: bool = False  # the prompt is computed whole: a prefix-cache hit is not used
+    guided: bool = False  # a grammar mask per decode token (GUIDED_TOKEN_COST)
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> RequestWork:
+        return cls(params.num_sequences, params.prompt_logprobs is not None, params.guided is not None)
+
+    @property
+    def decode_cost(self) -> float:
+        """Decode work per step on the decode replica, in plain single-stream tokens."""
+        return self.num_sequences * (GUIDED_TOKEN_COST if self.guided else 1.0)
+
+
+PLAIN = RequestWork()
 
 
 @dataclass(frozen=True)
@@ -34,14 +66,20 @@ class RouteContext:
     # Prompt tokens this router has waiting for a first token on the least-loaded prefill
     # replica / on the chosen decode replica (what a prefill there queues behind), and the
     # requests past their first token on the decode replica (the streams it decodes now).
+    # A request of n sequences counts n streams (and needs room for n).
     prefill_backlog_tokens: int = 0
     decode_backlog_tokens: int = 0
     decode_num_streams: int = 0
     prefill_stats: dict[str, Any] = field(default_factory=dict)  # for future predictive policies
     decode_stats: dict[str, Any] = field(default_factory=dict)
+    work: RequestWork = PLAIN  # streams, prompt logprobs, grammar (counted in the fields above)
 
     @property
     def num_uncached_tokens(self) -> int:
+        """Prompt tokens the prefill computes: all of them when prompt logprobs are wanted
+        (a cached block has KV but no logits, so the engine recomputes it)."""
+        if self.work.prompt_logprobs:
+            return self.prompt_len
         return max(0, self.prompt_len - self.num_cached_tokens)
 
 

@@ -1,11 +1,13 @@
-"""The routing policy as a table: every mode, every reason."""
+"""The routing policy as a table: every mode, every reason, and what n sequences, prompt
+logprobs and a grammar change."""
 
 from __future__ import annotations
 
 import pytest
 
 from cluster.config import WorkloadProfile
-from router.policy import RouteContext, decide
+from router.policy import GUIDED_TOKEN_COST, RequestWork, RouteContext, decide
+from workers.engine.sampling_params import GuidedDecoding, SamplingParams
 
 AUTO = WorkloadProfile(mode="auto", min_remote_prefill_tokens=100, max_prefill_queue=2)
 
@@ -17,9 +19,7 @@ def ctx(**kw):
     return RouteContext(**base)
 
 
-@pytest.mark.parametrize(
-    ("kw", "expected"),
-    [
+DECISIONS = [
         ({}, ("disagg", "long-prompt")),
         ({"prompt_len": 50}, ("local", "short-prompt")),
         ({"prompt_len": 99}, ("local", "short-prompt")),
@@ -39,8 +39,10 @@ def ctx(**kw):
         ({"forced_mode": "auto", "profile": WorkloadProfile(mode="local")}, ("disagg", "long-prompt")),
         ({"profile": WorkloadProfile(mode="auto", min_remote_prefill_tokens=0, max_prefill_queue=0)},
          ("local", "prefill-busy")),
-    ],
-)
+]
+
+
+@pytest.mark.parametrize(("kw", "expected"), DECISIONS)
 def test_decision_table(kw, expected):
     decision = decide(ctx(**kw))
     assert (decision.route, decision.reason) == expected
@@ -86,3 +88,62 @@ def test_never_disagg_without_prefill():
         for forced in (None, "auto", "disagg", "local"):
             d = decide(ctx(num_healthy_prefill=0, profile=WorkloadProfile(mode=mode), forced_mode=forced))
             assert d.route == "local"
+
+
+# ---- the work a request asks for --------------------------------------------------------
+
+LOGPROBS = RequestWork(prompt_logprobs=True)
+
+
+@pytest.mark.parametrize(
+    ("kw", "expected"),
+    [
+        # A prompt whose logprobs are wanted is computed whole: a cached prefix is no hit.
+        ({"num_cached_tokens": 450}, ("disagg", "long-prompt", False)),
+        ({"num_cached_tokens": 499, "profile": WorkloadProfile(mode="auto", min_remote_prefill_tokens=500)},
+         ("disagg", "long-prompt", False)),
+        ({"prompt_len": 99, "num_cached_tokens": 64}, ("local", "short-prompt", False)),  # never prefix-hit
+        # Its whole prompt is what a spill compares: 500 > 300 prefills in the background.
+        ({**SPILL, "num_cached_tokens": 450, "prefill_backlog_tokens": 1}, BACKGROUND),
+        ({**SPILL, "num_cached_tokens": 450, "prefill_backlog_tokens": 1, "prompt_len": 300}, FOREGROUND),
+        ({"num_cached_tokens": 450, "decode_has_room": False}, ("local", "decode-busy", False)),
+    ],
+)
+def test_prompt_logprobs_table(kw, expected):
+    context = ctx(work=LOGPROBS, **kw)
+    assert context.num_uncached_tokens == context.prompt_len
+    decision = decide(context)
+    assert (decision.route, decision.reason, decision.yield_prefill) == expected
+
+
+@pytest.mark.parametrize("work", [RequestWork(num_sequences=4), RequestWork(guided=True),
+                                  RequestWork(num_sequences=3, guided=True)])
+@pytest.mark.parametrize(("kw", "expected"), DECISIONS)
+def test_streams_and_grammar_change_only_the_counts(work, kw, expected):
+    """n streams and a grammar decode where the request decodes on either route: the
+    policy sees them through the counts placement fills (room, streams), so for the same
+    counts the decision is the plain request's."""
+    decision = decide(ctx(work=work, **kw))
+    assert (decision.route, decision.reason) == expected
+
+
+@pytest.mark.parametrize(
+    ("params", "expected"),
+    [
+        (SamplingParams(), RequestWork(1, False, False)),
+        (SamplingParams(n=3), RequestWork(3, False, False)),
+        (SamplingParams(n=2, best_of=5), RequestWork(5, False, False)),
+        (SamplingParams(prompt_logprobs=0), RequestWork(1, True, False)),
+        (SamplingParams(logprobs=5), RequestWork(1, False, False)),  # generated tokens' only
+        (SamplingParams(guided=GuidedDecoding("regex", "[ab]+")), RequestWork(1, False, True)),
+    ],
+)
+def test_request_work_from_sampling_params(params, expected):
+    assert RequestWork.of(params) == expected
+
+
+def test_decode_cost_counts_streams_and_grammar_time():
+    assert RequestWork().decode_cost == 1.0
+    assert RequestWork(num_sequences=4).decode_cost == 4.0
+    assert RequestWork(num_sequences=2, guided=True).decode_cost == pytest.approx(2 / 0.91)
+    assert GUIDED_TOKEN_COST == pytest.approx(1 / 0.91)

@@ -1,7 +1,8 @@
 """Placement without Ray: the prefix index the router keeps, replica choice (prefix
 affinity, then load), fallbacks, offload to an idle prefill replica, the backlog and
-stream counts the `auto` policy spills on, and that placement and the policy import no
-web or Ray code (a simulator runs them in a plain process)."""
+stream counts the `auto` policy spills on, what n sequences and prompt logprobs change,
+and that placement and the policy import no web or Ray code (a simulator runs them in a
+plain process)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from router.admin import parse_profile
 from router.cluster_view import ClusterView, ReplicaInfo
 from router.errors import APIError
 from router.placement import place
+from router.policy import RequestWork
 from router.prefix_index import PrefixIndex
 from workers.engine.prefix_hash import block_hashes
 
@@ -111,6 +113,70 @@ def test_placement_spills_a_prompt_where_its_first_token_comes_sooner():
     for p in (first, second, third):
         view.end(p)
     assert view.num_streams(view.replicas["d1"]) == 0 and "d1" not in view.backlog
+
+
+def test_n_sequences_count_n_streams_where_they_decode():
+    """A request of 4 sequences: 4 in flight and 4 streams on its decode replica after the
+    first token, one prefill on the prefill replica; the next request sees that load."""
+    view = ClusterView(block_size=16, max_num_seqs=8)
+    view.update([replica("d1", "decode"), replica("d2", "decode"), replica("p1", "prefill")])
+    four = place(view, [1] * 100, 8, AUTO, None, offload_to_prefill=False, work=RequestWork(num_sequences=4))
+    assert (four.target_replica, four.decision.route, four.num_sequences) == ("d1", "disagg", 4)
+    view.begin(four)
+    assert view.inflight == {"d1": 4, "p1": 1} and view.awaiting_first == {"d1": 4}
+    assert view.num_streams(view.replicas["d1"]) == 0
+    view.prefill_done(four)
+    assert view.inflight == {"d1": 4} and view.num_streams(view.replicas["d1"]) == 4
+    one = place(view, [2] * 100, 8, AUTO, None, offload_to_prefill=False)
+    assert one.target_replica == "d2"  # d1 holds 4 streams
+    view.end(four)
+    assert view.inflight == {} and view.awaiting_first == {} and view.backlog == {}
+
+
+@pytest.mark.parametrize(
+    ("num_sequences", "stats", "busy"),
+    [
+        (3, {"num_running": 5}, False),  # 5 + 3 seats of 8
+        (4, {"num_running": 5}, True),
+        (12, {}, False),  # more than max_num_seqs: the scheduler runs it once the replica is empty
+        (12, {"num_running": 1}, True),
+        # 100 prompt tokens, 8 more each: 6 shared full blocks + one own block per sequence
+        (4, {"kv_blocks_free": 10}, False),
+        (4, {"kv_blocks_free": 9}, True),
+        (1, {"kv_blocks_free": 7}, False),
+        (1, {"kv_blocks_free": 6}, True),
+    ],
+)
+def test_decode_room_counts_every_sequence(num_sequences, stats, busy):
+    view = ClusterView(block_size=16, max_num_seqs=8)
+    view.update([replica("d1", "decode", **stats), replica("p1", "prefill")])
+    placed = place(view, list(range(100)), 8, AUTO, None, offload_to_prefill=False,
+                   work=RequestWork(num_sequences=num_sequences))
+    assert (placed.decision.reason == "decode-busy") is busy
+
+
+def test_prompt_logprobs_ignore_cached_prefixes():
+    """A request for prompt logprobs recomputes its whole prompt: no replica's cached
+    prefix attracts it, shortens its backlog, or makes it a `prefix-hit`; its blocks are
+    still recorded where it runs (the engine registers them)."""
+    view = ClusterView(block_size=16, max_num_seqs=8)
+    view.update([replica("d1", "decode"), replica("d2", "decode"), replica("p1", "prefill")])
+    prompt = list(range(100))
+    first = place(view, prompt, 8, AUTO, None, offload_to_prefill=False)
+    view.begin(first)
+    view.end(first)
+    assert first.target_replica == "d1"
+    view.update([replica("d1", "decode", num_running=1), replica("d2", "decode"), replica("p1", "prefill")])
+    plain = place(view, prompt, 8, AUTO, None, offload_to_prefill=False)
+    assert (plain.target_replica, plain.decision.reason) == ("d1", "prefix-hit")
+    scored = place(view, prompt, 8, AUTO, None, offload_to_prefill=False, work=RequestWork(prompt_logprobs=True))
+    assert (scored.target_replica, scored.num_cached_tokens) == ("d2", 0)  # least loaded, no hit
+    assert (scored.decision.route, scored.decision.reason, scored.prefill_tokens) == ("disagg", "long-prompt", 100)
+    view.begin(scored)
+    assert view.index.num_matched_blocks("d2", scored.hashes) == 6
+    short = WorkloadProfile(mode="local")
+    local = place(view, prompt, 8, short, None, offload_to_prefill=False, work=RequestWork(prompt_logprobs=True))
+    assert (local.num_cached_tokens, local.prefill_tokens) == (0, 100)
 
 
 def test_decode_busy_guard_threshold_is_a_profile_field():
