@@ -1,13 +1,20 @@
 """`pdcluster bench engine` end to end on the tiny model with a handful of requests: the
-three runners agree token for token and the JSON report has the documented shape."""
+three runners agree token for token and the JSON report has the documented shape; the
+classifier of mismatches (near tie or real) on synthetic logits."""
 
 from __future__ import annotations
 
 import json
 
+import torch
 from typer.testing import CliRunner
 
-from cluster.bench.engine import BenchConfig, make_workload
+from cluster.bench.engine import (
+    BenchConfig,
+    classify_divergence,
+    classify_mismatches,
+    make_workload,
+)
 from cluster.cli import app
 
 
@@ -32,4 +39,34 @@ def test_bench_engine_cli_prints_json_with_matching_tokens(tmp_path):
     assert all(r["tokens_per_s"] > 0 and r["wall_s"] > 0 for r in report["results"])
     assert set(report["ratios"]) == {"vs_hf_generate", "vs_hf_continuous_batching"}
     assert report["identical_tokens"], report["mismatches"]
+    assert report["identical_or_near_tie"]
+    assert report["mismatches"] == {"near_tie": 0, "real": 0, "examples": []}
     assert report["results"][1]["batch_size"] in (2, 4)
+
+
+def test_divergence_within_the_gap_is_a_near_tie_else_real():
+    logits = torch.tensor([0.0, 5.0, 5.0 - 5e-5, 4.0])
+    tie = classify_divergence(logits, 2, 1)
+    assert tie["kind"] == "near_tie" and abs(tie["logit_gap"] - 5e-5) < 1e-6
+    real = classify_divergence(logits, 1, 3)
+    assert real["kind"] == "real" and abs(real["logit_gap"] - 1.0) < 1e-6
+
+
+def test_mismatches_are_counted_by_kind_at_the_first_differing_token():
+    prompts = [[7, 8], [9]]
+    reference = [[1, 2, 3], [1, 1]]
+    others = {"a": [[1, 2, 2], [3, 1]], "b": [[1, 2], [1, 1]]}  # b: shorter, no differing token
+    found = {"a": [{"request": 0, "first_diff_at": 2, "len": [3, 3]},
+                   {"request": 1, "first_diff_at": 0, "len": [2, 2]}],
+             "b": [{"request": 0, "first_diff_at": 2, "len": [3, 2]}]}
+    seen = []
+
+    def next_logits(token_ids):  # request 0 parts at a near tie of tokens 2 and 3, request 1 clearly
+        seen.append(token_ids)
+        return torch.tensor([0.0, 1.0, 3.0, 3.0 - 2e-5]) if token_ids[0] == 7 else torch.tensor([0.0, 2.0, 0.0, 1.0])
+
+    out = classify_mismatches(found, reference, others, prompts, next_logits)
+    assert (out["near_tie"], out["real"]) == (1, 2)
+    assert seen == [[7, 8, 1, 2], [9]]  # the prompt plus the shared output up to the first difference
+    assert [(e["runner"], e["kind"]) for e in out["examples"]] == [("a", "near_tie"), ("a", "real"), ("b", "real")]
+    assert out["examples"][0]["tokens"] == [3, 2] and out["examples"][2]["logit_gap"] is None

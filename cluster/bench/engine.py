@@ -5,7 +5,10 @@ runners: `LLMEngine.generate`; `model.generate` on left-padded static batches (b
 several batch sizes); and transformers' own continuous batching (the manager that
 `model.generate_batch` drives, fed per-request `max_new_tokens`, which `generate_batch`
 cannot take). Each runner is warmed up untimed, then timed on the whole workload; only
-generated tokens count. All must produce the same tokens; mismatches are reported.
+generated tokens count. All must produce the same tokens; mismatches are reported, each
+classified at its first differing token from transformers' fp32 logits there: a
+`near_tie` when both runners' tokens are within `NEAR_TIE_LOGIT_GAP` of the top logit
+(float rounding picks either), else `real`.
 """
 
 from __future__ import annotations
@@ -21,7 +24,12 @@ import torch
 DEFAULT_MODEL_CACHE = Path("~/.cache/pdcluster/models").expanduser()
 HF_BATCH_SIZES = (8, 16, 32)
 NUM_BYTE_TOKENS = 256  # prompts use byte tokens only, never specials
+# Two logits this close are a tie in fp32: batched and unbatched matmuls sum in different
+# orders and differ by ~1e-6 relative, which can flip the argmax between them.
+NEAR_TIE_LOGIT_GAP = 1e-4
+MAX_MISMATCH_EXAMPLES = 10
 Log = Callable[[str], None]
+NextLogits = Callable[[list[int]], torch.Tensor]  # token ids -> the next token's logits [vocab]
 
 
 @dataclass(frozen=True)
@@ -174,6 +182,47 @@ def mismatches(reference: list[list[int]], other: list[list[int]]) -> list[dict]
     return out
 
 
+def classify_divergence(logits: torch.Tensor, token_a: int, token_b: int,
+                        tol: float = NEAR_TIE_LOGIT_GAP) -> dict:
+    """Two runners chose `token_a` and `token_b` from `logits` [vocab]: a `near_tie` when
+    both are within `tol` of the top logit (then they are its top two), else `real`.
+    `logit_gap`: the top logit minus the lower of the two."""
+    top = logits.max().item()
+    gap = top - min(logits[token_a].item(), logits[token_b].item())
+    return {"kind": "near_tie" if gap <= tol else "real", "logit_gap": gap}
+
+
+def classify_mismatches(found: dict[str, list[dict]], reference: list[list[int]], others: dict[str, list[list[int]]],
+                        prompts: list[list[int]], next_logits: NextLogits) -> dict:
+    """Counts of `near_tie` and `real` mismatches over every runner, with the first
+    `MAX_MISMATCH_EXAMPLES` of them. A length difference without a differing token is `real`."""
+    counts = {"near_tie": 0, "real": 0}
+    examples = []
+    logits_cache: dict[tuple[int, int], torch.Tensor] = {}
+    for runner, entries in found.items():
+        for entry in entries:
+            i, first = entry["request"], entry["first_diff_at"]
+            ours, theirs = reference[i], others[runner][i]
+            verdict: dict = {"kind": "real", "logit_gap": None}
+            if first < min(len(ours), len(theirs)):
+                if (i, first) not in logits_cache:  # runners often part at the same place
+                    logits_cache[i, first] = next_logits(prompts[i] + ours[:first])
+                verdict = classify_divergence(logits_cache[i, first], ours[first], theirs[first])
+                verdict["tokens"] = [ours[first], theirs[first]]
+            counts[verdict["kind"]] += 1
+            if len(examples) < MAX_MISMATCH_EXAMPLES:
+                examples.append({"runner": runner, **entry, **verdict})
+    return {**counts, "examples": examples}
+
+
+def hf_next_logits(model) -> NextLogits:
+    @torch.inference_mode()
+    def next_logits(token_ids: list[int]) -> torch.Tensor:
+        return model(torch.tensor([token_ids])).logits[0, -1].float()
+
+    return next_logits
+
+
 def run_benchmark(cfg: BenchConfig, log: Log = lambda _: None) -> dict:
     from workers.model_files import ensure_model
 
@@ -193,17 +242,20 @@ def run_benchmark(cfg: BenchConfig, log: Log = lambda _: None) -> dict:
     log("transformers continuous batching ...")
     hf_cb = run_hf_continuous_batching(model, workload, cfg)
     log(f"  {hf_cb.wall_s:.1f} s")
-    return report(cfg, workload, engine, by_batch_size, hf_cb)
+    return report(cfg, workload, engine, by_batch_size, hf_cb, hf_next_logits(model))
 
 
 def report(cfg: BenchConfig, workload: Workload, engine: RunResult,
-           by_batch_size: dict[int, RunResult], hf_cb: RunResult) -> dict:
+           by_batch_size: dict[int, RunResult], hf_cb: RunResult, next_logits: NextLogits) -> dict:
     n = workload.num_output_tokens
     hf_gen = min(by_batch_size.values(), key=lambda r: r.wall_s)
     hf_gen.extra["by_batch_size"] = {str(bs): r.summary(n)["tokens_per_s"] for bs, r in by_batch_size.items()}
     results = [engine.summary(n), hf_gen.summary(n), hf_cb.summary(n)]
     found = {f"hf_generate_bs{bs}": mismatches(engine.token_ids, r.token_ids) for bs, r in by_batch_size.items()}
     found["hf_continuous_batching"] = mismatches(engine.token_ids, hf_cb.token_ids)
+    others = {f"hf_generate_bs{bs}": r.token_ids for bs, r in by_batch_size.items()}
+    others["hf_continuous_batching"] = hf_cb.token_ids
+    classified = classify_mismatches(found, engine.token_ids, others, workload.prompts, next_logits)
     return {
         "results": results,
         "ratios": {"vs_hf_generate": round(hf_gen.wall_s / engine.wall_s, 3),
@@ -211,7 +263,8 @@ def report(cfg: BenchConfig, workload: Workload, engine: RunResult,
         "cpu_time_ratios": {"vs_hf_generate": round(hf_gen.cpu_s / engine.cpu_s, 3),
                             "vs_hf_continuous_batching": round(hf_cb.cpu_s / engine.cpu_s, 3)},
         "identical_tokens": not any(found.values()),
-        "mismatches": {k: v for k, v in found.items() if v},
+        "identical_or_near_tie": classified["real"] == 0,
+        "mismatches": classified,
         "workload": {"preset": cfg.preset, "num_requests": cfg.num_requests, "seed": cfg.seed,
                      "prompt_len_range": list(cfg.prompt_len_range),
                      "output_len_range": list(cfg.output_len_range),

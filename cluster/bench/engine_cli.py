@@ -66,4 +66,6 @@ def _print_table(result: dict) -> None:
         table.add_row(r["name"], f"{r['tokens_per_s']:.1f}", f"{r['wall_s']:.2f}")
     console = Console()
     console.print(table)
-    console.print(f"ratios: {result['ratios']}; identical tokens: {result['identical_tokens']}")
+    m = result["mismatches"]
+    console.print(f"ratios: {result['ratios']}; identical tokens: {result['identical_tokens']} "
+                  f"(mismatches: {m['near_tie']} near ties, {m['real']} real)")
