@@ -201,6 +201,41 @@ def test_disaggregated_n3_samples_first_tokens_on_prefill_and_forks_on_decode(ma
     assert decode.stats()["num_prompt_tokens_computed"] == 0
 
 
+@pytest.mark.parametrize("backend", ["local", "zmq"])
+def test_disaggregated_best_of_ranks_with_first_token_scores_from_prefill(make_engine, backend):
+    """best_of > n without logprobs: the prefill engine still sends each first token's raw
+    logprob (the start of its score), so the decode engine returns the same best sequence
+    as a local run, and the prefill engine finishes its one-token request."""
+    prompt = random_prompts([23], seed=5)[0]
+    params = sampled(n=1, best_of=3, max_tokens=6)
+    local = make_engine().generate([prompt], params)
+    prefill, decode = make_engine(), make_engine()
+    receiver = make_receiver(config(backend), decode, KEY)
+    sender = make_sender(config(backend), KEY)
+    try:
+        res = decode.reserve_kv("t", prompt)
+        receiver.expect("t", res, timeout=60)
+        sink = sender.open("t", receiver.address, prefill.layout, start_block=res.num_cached_blocks)
+        prefill.add_request("p", prompt, dataclasses.replace(params, max_tokens=1), kv_sink=sink, seed=SEED)
+        prefill_outs = []
+        while prefill.has_unfinished_requests():
+            prefill_outs += prefill.step()
+        assert [o.finished for o in prefill_outs] == [True]
+        first = receiver.wait("t", 60)
+        sink.wait(60)
+        assert first.logprob is not None and all(s.logprob is not None for s in first.siblings)
+        decode.commit_kv(res, "d", params, first.token_id, seed=SEED, first_logprob=first.logprob,
+                         siblings=first.siblings)
+        final = []
+        while decode.has_unfinished_requests():
+            final += [o for o in decode.step() if o.finished]
+            decode.check_integrity()
+    finally:
+        sender.close()
+        receiver.close()
+    assert [(o.index, o.token_ids, o.logprobs) for o in final] == [(0, local[0].token_ids, None)]
+
+
 def test_done_header_carries_sibling_first_tokens():
     codec = WireCodec(b"k" * 32)
     top = ((4, -0.25), (9, -1.5))
@@ -211,3 +246,22 @@ def test_done_header_carries_sibling_first_tokens():
     assert plain.siblings == (FirstToken(7),) and plain.logprob is None
     with pytest.raises(TransferCorrupt):
         codec.open(*codec.seal(Header(DONE, "t", 1, first_token_id=3, sibling_token_ids=[-1])))
+
+
+def test_a_forking_request_is_admitted_with_a_seat_for_every_sequence(make_engine):
+    """max_num_seqs counts sequences: a request of n = 3 takes 3 of 4 seats from its
+    admission, so a later request waits and the forks never queue behind it."""
+    engine = make_engine(max_num_seqs=4)
+    prompts = random_prompts([20, 20, 20], seed=1)
+    plain = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)
+    engine.add_request("a", prompts[0], dataclasses.replace(plain, n=3))
+    engine.add_request("b", prompts[1], plain)
+    engine.add_request("c", prompts[2], plain)
+    engine.step()
+    assert sorted(s.seq_id for s in engine.scheduler.waiting) == ["a\x001", "a\x002", "c"]
+    engine.step()
+    assert sorted(s.seq_id for s in engine.scheduler.running) == ["a", "a\x001", "a\x002", "b"]
+    while engine.has_unfinished_requests():
+        engine.step()
+        assert len(engine.scheduler.running) <= 4
+        engine.check_integrity()

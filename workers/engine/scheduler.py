@@ -11,6 +11,9 @@ A background prefill (`SamplingParams.yield_to_decode`) sorts last and, in a ste
 decodes, takes at most `yield_tokens` (which the engine sets from its step records so
 that the chunk costs about half a decode step, `step_cost`): the streams beside it slow
 down by about 1.5x instead of stalling for a whole chunk, and it still advances every step.
+
+A request of n sequences (n / best_of) is admitted only with n of `max_num_seqs` free: it
+forks at its first token, and its forks must not wait behind requests that came later.
 """
 
 from __future__ import annotations
@@ -128,10 +131,12 @@ class Scheduler:
         """Waiting sequences in priority order: the foreground ones, or the background ones."""
         self.waiting.sort(key=lambda s: s.priority_key)
         scheduled: list[ScheduledSeq] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
             if _is_background(seq) != background:
                 break  # background ones sort last: none (or no more) of the kind asked for
+            if not self._has_seats(seq):
+                break
             is_fresh = not seq.block_ids  # imported KV arrives holding its blocks already
             # A prompt whose logprobs are wanted is computed whole (a cached block has KV
             # but no logits); its blocks still register in the prefix cache.
@@ -151,6 +156,12 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return scheduled
+
+    def _has_seats(self, seq: Sequence) -> bool:
+        """Room under `max_num_seqs` for every sequence `seq` will be; a request of more
+        sequences than that is admitted into an empty batch (its forks then queue)."""
+        num_taken = sum(_num_seats(s) for s in self.running)
+        return num_taken + min(_num_seats(seq), self.max_num_seqs) <= self.max_num_seqs
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -180,6 +191,13 @@ def _is_background(seq: Sequence) -> bool:
     """A background prefill: `yield_to_decode` and not yet generating (its decode steps,
     one token each, run with the others)."""
     return seq.params.yield_to_decode and not seq.is_decoding
+
+
+def _num_seats(seq: Sequence) -> int:
+    """Sequences `seq` stands for: all of its request's until it forks here at its first
+    token (not when its KV and first tokens go to another engine, which forks it there)."""
+    forks_here = seq.index == 0 and not seq.output_token_ids and seq.kv_sink is None
+    return seq.params.num_sequences if forks_here else 1
 
 
 def _decoding(scheduled: list[ScheduledSeq]) -> bool:
