@@ -201,6 +201,54 @@ def test_disaggregated_n3_samples_first_tokens_on_prefill_and_forks_on_decode(ma
     assert decode.stats()["num_prompt_tokens_computed"] == 0
 
 
+@pytest.mark.parametrize("backend", ["local", "zmq"])
+def test_disaggregated_best_of_ranks_with_first_token_scores_from_prefill(make_engine, backend):
+    """best_of > n without logprobs: the prefill engine still sends each first token's raw
+    logprob (the start of its score), so the decode engine returns the same best sequence
+    as a local run, and the prefill engine finishes its one-token request."""
+    params = sampled(n=1, best_of=3, max_tokens=6)
+    prompt = _prompt_where_the_first_token_decides(make_engine(), params)
+    local = make_engine().generate([prompt], params)
+    prefill, decode = make_engine(), make_engine()
+    receiver = make_receiver(config(backend), decode, KEY)
+    sender = make_sender(config(backend), KEY)
+    try:
+        res = decode.reserve_kv("t", prompt)
+        receiver.expect("t", res, timeout=60)
+        sink = sender.open("t", receiver.address, prefill.layout, start_block=res.num_cached_blocks)
+        prefill.add_request("p", prompt, dataclasses.replace(params, max_tokens=1), kv_sink=sink, seed=SEED)
+        prefill_outs = []
+        while prefill.has_unfinished_requests():
+            prefill_outs += prefill.step()
+        assert [o.finished for o in prefill_outs] == [True]
+        first = receiver.wait("t", 60)
+        sink.wait(60)
+        assert first.logprob is not None and all(s.logprob is not None for s in first.siblings)
+        decode.commit_kv(res, "d", params, first.token_id, seed=SEED, first_logprob=first.logprob,
+                         siblings=first.siblings)
+        final = []
+        while decode.has_unfinished_requests():
+            final += [o for o in decode.step() if o.finished]
+            decode.check_integrity()
+    finally:
+        sender.close()
+        receiver.close()
+    assert [(o.index, o.token_ids, o.logprobs) for o in final] == [(0, local[0].token_ids, None)]
+
+
+def _prompt_where_the_first_token_decides(engine, params: SamplingParams) -> list[int]:
+    """A prompt whose best sequence changes when the first token's logprob is left out of
+    the score, so a test of the handover cannot pass without it."""
+    for seed in range(64):
+        prompt = random_prompts([23], seed=seed)[0]
+        outs = engine.generate([prompt], dataclasses.replace(params, n=3, best_of=None, logprobs=0))
+        full = [sum(lp.logprob for lp in o.logprobs) for o in outs]
+        rest = [sum(lp.logprob for lp in o.logprobs[1:]) for o in outs]
+        if max(range(3), key=full.__getitem__) != max(range(3), key=rest.__getitem__):
+            return prompt
+    raise AssertionError("no prompt where the first token decides the ranking")
+
+
 def test_done_header_carries_sibling_first_tokens():
     codec = WireCodec(b"k" * 32)
     top = ((4, -0.25), (9, -1.5))

@@ -10,9 +10,8 @@ the reservation is always either committed or cancelled.
 
 A request with n > 1 is disaggregated too: the prefill replica samples every sequence's
 first token (seeds seed + i) and they arrive with the last layer (`FirstToken.siblings`);
-this engine forks the request. One with `best_of > n` is prefilled here (route "local",
-the router's reason kept): ranking needs every first token's logprob, which only a local
-prefill has.
+this engine forks the request. For `best_of > n` those first tokens carry their raw
+logprobs, the start of each sequence's score.
 """
 
 from __future__ import annotations
@@ -65,8 +64,7 @@ class DecodeWorker(EngineWorker):
         return stats
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        disagg = req.route == "disagg" and req.params.num_sequences == req.params.n
-        stream = self._disagg(req) if disagg else self._local(req, "local", req.reason)
+        stream = self._disagg(req) if req.route == "disagg" else self._local(req, "local", req.reason)
         async for chunk in self._tracked(stream):
             yield chunk
 

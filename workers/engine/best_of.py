@@ -39,8 +39,9 @@ class BestOf:
         self._outputs: dict[str, list[RequestOutput]] = {}  # held, in the order reported
 
     def track(self, seq: Sequence) -> None:
-        """Hold `seq`'s outputs if its request is `best_of > n`."""
-        if holds(seq):
+        """Hold `seq`'s outputs if its request is `best_of > n` and decodes here (a prompt
+        whose KV goes to another engine is ranked there)."""
+        if holds(seq) and seq.kv_sink is None:
             self._seqs.setdefault(seq.request_id, {})[seq.index] = seq
 
     def collect(self, outputs: list[RequestOutput]) -> list[RequestOutput]:

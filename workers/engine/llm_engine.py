@@ -20,6 +20,7 @@ from transformers import AutoTokenizer
 
 from workers.engine.attention import KVExport
 from workers.engine.best_of import BestOf, add_scores
+from workers.engine.best_of import holds as holds_best_of
 from workers.engine.block_manager import BlockManager
 from workers.engine.grammar import GrammarCompiler
 from workers.engine.kv_cache import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_MEMORY_FRACTION
@@ -31,6 +32,7 @@ from workers.engine.kv_types import (
     KVReservation,
     KVSink,
 )
+from workers.engine.logprobs import token_logprobs
 from workers.engine.model_runner import ModelRunner, resolve_dtype
 from workers.engine.output_processor import OutputProcessor
 from workers.engine.prompt_logprobs import (
@@ -195,7 +197,8 @@ class LLMEngine:
                 continue
             siblings = self._sample_siblings(parent, logits[row])
             if parent.kv_sink is not None:
-                parent.kv_sink.on_complete(sampled.token_ids[row], sampled.logprobs[row], siblings)
+                first, siblings = _scored(parent, logits[row], sampled.token_ids[row], sampled.logprobs[row], siblings)
+                parent.kv_sink.on_complete(sampled.token_ids[row], first, siblings)
                 parent.kv_sink = None
                 continue
             children = self._fork_into(parent, siblings)
@@ -387,6 +390,9 @@ class LLMEngine:
             self.best_of.track(seq)
             self.scheduler.add(seq)
             children = self._fork_into(seq, siblings)  # before a parent that ends frees its blocks
+            for s, lp in zip([seq, *children], [first_logprob, *(f.logprob for f in siblings)], strict=True):
+                if holds_best_of(s) and lp is not None:  # the first token's score, from the prefill side
+                    s.cumulative_logprob += lp.logprob
             self._pending.append(self._append_token(seq, int(first_token_id), first_logprob))
             self._pending += [self._append_token(c, f.token_id, f.logprob)
                               for c, f in zip(children, siblings, strict=True)]
@@ -422,3 +428,15 @@ class LLMEngine:
             assert len(queued) == len(self.requests), "a request is queued twice"
             tables = [s.block_ids for s in queued] + [r.block_ids for r in self.reservations.values()]
             self.block_manager.check_integrity(tables)
+
+
+def _scored(parent: Sequence, logits: torch.Tensor, token_id: int, logprob: TokenLogprob | None,
+            siblings: tuple[FirstToken, ...]) -> tuple[TokenLogprob | None, tuple[FirstToken, ...]]:
+    """The first tokens a `best_of > n` request hands to another engine carry their raw
+    logprobs even when it asked for none: that engine ranks its sequences by them.
+    (`logits`: the row the first tokens were sampled from.)"""
+    if not holds_best_of(parent) or logprob is not None:
+        return logprob, siblings
+    ids = [token_id, *(f.token_id for f in siblings)]
+    scored = token_logprobs(logits.expand(len(ids), -1), ids, [0] * len(ids))
+    return scored[0], tuple(FirstToken(f.token_id, lp) for f, lp in zip(siblings, scored[1:], strict=True))
