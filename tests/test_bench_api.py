@@ -24,6 +24,8 @@ def test_bench_api_reports_every_configuration_and_n4_prefills_once(tmp_path):
     assert set(report["ratios"]) == {"logprobs_vs_plain", "penalties_vs_plain", "n4_vs_plain",
                                      "json_schema_vs_plain"}
     assert all(isinstance(v, float) and v > 0 for v in report["ratios"].values())
+    assert set(report["cpu_time_ratios"]) == set(report["ratios"])
+    assert all(isinstance(v, float) and v > 0 for v in report["cpu_time_ratios"].values())
     assert set(report["targets"]) == {"logprobs_vs_plain", "penalties_vs_plain", "json_schema_vs_plain",
                                       "n4_prefills_once"}
     assert all(set(t) == {"value", "limit", "met"} for t in report["targets"].values())
