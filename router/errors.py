@@ -49,7 +49,11 @@ class APIError(Exception):
 
 
 class FieldError(ValueError):
-    """A request model's check across fields, naming the field the client should change."""
+    """A request model's check across fields, naming the field the client should change.
+
+    `param` is relative to the model that raises it: a nested model's location is prefixed
+    by pydantic (a check in `response_format` names `json_schema`, the client sees
+    `response_format.json_schema`)."""
 
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)

@@ -48,7 +48,7 @@ class ResponseFormat(BaseModel):
     @model_validator(mode="after")
     def _schema_given(self) -> ResponseFormat:
         if self.type == "json_schema" and self.json_schema is None:
-            raise FieldError("response_format.json_schema", "is required when type is json_schema")
+            raise FieldError("json_schema", "is required when type is json_schema")  # pydantic prefixes the path
         return self
 
 
