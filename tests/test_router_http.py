@@ -19,6 +19,7 @@ from workers.protocol import REASONS
 APP = "pdc-router-http"
 TOKEN = "admin-secret-token"
 NOWHERE = {"resources": {"pdc_test_no_such_node": 1.0}}
+DEFAULT_MAX_TOKENS, MAX_TOKENS_LIMIT = 4, 96  # a bounded JSON object needs a few dozen tokens
 
 
 def _config(model_dir, token_file, **overrides):
@@ -28,7 +29,7 @@ def _config(model_dir, token_file, **overrides):
         "transport": {"host": "127.0.0.1"},
         "router": {"num_replicas": 2, "num_cpus": 0},
         "secrets": {"admin_token_file": str(token_file)},
-        "limits": {"default_max_tokens": 4, "max_tokens_limit": 6},
+        "limits": {"default_max_tokens": DEFAULT_MAX_TOKENS, "max_tokens_limit": MAX_TOKENS_LIMIT},
         "workloads": {
             "default": {"min_remote_prefill_tokens": 32},
             "locked": {"mode": "local", "allow_client_override": False},
@@ -146,12 +147,13 @@ def test_streaming_completion_equals_non_streaming(client):
 
 def test_max_tokens_defaulted_and_over_the_limit_refused(client):
     default = complete(client, ignore_eos=True).json()
-    assert default["usage"]["completion_tokens"] == 4
-    at_limit = complete(client, ignore_eos=True, max_tokens=6).json()
-    assert at_limit["usage"]["completion_tokens"] == 6
-    over = complete(client, ignore_eos=True, max_tokens=7)
+    assert default["usage"]["completion_tokens"] == DEFAULT_MAX_TOKENS
+    at_limit = complete(client, ignore_eos=True, max_tokens=MAX_TOKENS_LIMIT).json()
+    assert at_limit["usage"]["completion_tokens"] == MAX_TOKENS_LIMIT
+    over = complete(client, ignore_eos=True, max_tokens=MAX_TOKENS_LIMIT + 1)
     assert_openai_error(over, 400)
-    assert over.json()["error"]["param"] == "max_tokens" and "6" in over.json()["error"]["message"]
+    error = over.json()["error"]
+    assert error["param"] == "max_tokens" and str(MAX_TOKENS_LIMIT) in error["message"]
 
 
 @pytest.mark.parametrize(
@@ -231,7 +233,7 @@ def test_metrics_show_every_name_after_traffic(client):
     assert not missing, f"missing from /metrics: {missing}"
     assert 'pool="decode"' in text and 'pool="prefill"' in text
     assert not any(s.startswith("pdc_") and s.split("_")[1] not in
-                   ("time", "inter", "e2e", "route", "kv", "prefix", "num", "worker", "export") for s in samples)
+                   ("time", "inter", "e2e", "route", "kv", "prefix", "num", "worker", "export", "prompt") for s in samples)
 
 
 def test_generate_travels_over_the_worker_stream(client):
@@ -307,8 +309,9 @@ def test_completion_suffix_refused_and_harmless_fields_accepted(oai):
 
 
 def test_limits_and_missing_content_are_400s(oai):
-    _bad_request(lambda: oai.completions.create(model="tiny", prompt="x", max_tokens=7), "max_tokens")
-    _bad_request(lambda: oai.chat.completions.create(model="tiny", messages=CHAT, max_completion_tokens=7),
+    over = MAX_TOKENS_LIMIT + 1
+    _bad_request(lambda: oai.completions.create(model="tiny", prompt="x", max_tokens=over), "max_tokens")
+    _bad_request(lambda: oai.chat.completions.create(model="tiny", messages=CHAT, max_completion_tokens=over),
                  "max_completion_tokens")
     error = _bad_request(lambda: oai.chat.completions.create(model="tiny", messages=[{"role": "user"}]),
                          "messages.0.content")
@@ -416,6 +419,147 @@ def test_lm_eval_loglikelihoods_match_transformers(client, tiny_model_dir, tmp_p
     assert [len(row) for row in served] == [len(row) for row in reference]
     for got, want in zip(served, reference, strict=True):
         assert got == pytest.approx(want, abs=1e-3)
+
+
+# ---- n > 1, penalties and structured outputs on both routes -----------------------------
+
+
+def _prompt_tokens_computed(client, settle_s: float = 1.2, timeout_s: float = 15.0) -> dict[str, float]:
+    """Prompt tokens computed per pool, once two reads `settle_s` apart agree: workers push
+    their counters with heartbeats every 0.5 s, so a lone read may miss the last one."""
+    deadline, last = time.monotonic() + timeout_s, None
+    while True:
+        now = _sum_by(client.get("/metrics").text, "pdc_prompt_tokens_computed_total", "pool")
+        if now == last or time.monotonic() > deadline:
+            return now
+        last = now
+        time.sleep(settle_s)
+
+
+def _wait_counter(client, pool: str, target: float, timeout_s: float = 10.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout_s
+    while _sum_by(client.get("/metrics").text, "pdc_prompt_tokens_computed_total", "pool").get(pool, 0) < target \
+            and time.monotonic() < deadline:
+        time.sleep(0.3)
+    return _prompt_tokens_computed(client)  # and nothing more arrives after it
+
+
+@pytest.mark.parametrize("mode", ["local", "disagg"])
+def test_n_choices_are_seeded_singles_and_the_prompt_is_prefilled_once(client, mode):
+    """n = 3: choice i is what an n = 1 request with seed + i returns; usage counts the prompt
+    once and every generated token; the prompt is computed once, by the pool that prefills."""
+    prompt = f"{mode}: a fresh prompt for three sampled continuations, prefilled only once"
+    body = {"prompt": prompt, "temperature": 1.0, "seed": 1234, "max_tokens": 8, "return_token_ids": True}
+    before = _prompt_tokens_computed(client)
+    r = client.post("/v1/completions", json={**body, "n": 3}, headers={"x-pd-mode": mode})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-pd-route"] == mode
+    out = r.json()
+    num_prompt_tokens = len(out["prompt_token_ids"])
+    pool = "prefill" if mode == "disagg" else "decode"
+    after = _wait_counter(client, pool, before.get(pool, 0) + num_prompt_tokens)
+    computed = {p: after.get(p, 0) - before.get(p, 0) for p in ("prefill", "decode")}
+    assert computed[pool] == num_prompt_tokens and sum(computed.values()) == num_prompt_tokens, computed
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    assert out["usage"]["prompt_tokens"] == num_prompt_tokens
+    assert out["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in out["choices"])
+    for i, choice in enumerate(out["choices"]):
+        single = client.post("/v1/completions", json={**body, "seed": 1234 + i}, headers={"x-pd-mode": mode})
+        expected = single.json()["choices"][0]
+        assert (choice["token_ids"], choice["text"], choice["finish_reason"]) == \
+            (expected["token_ids"], expected["text"], expected["finish_reason"]), i
+    assert len({tuple(c["token_ids"]) for c in out["choices"]}) > 1  # the seeds differ, so do the samples
+
+
+@pytest.fixture(scope="module")
+def hf_tiny(tiny_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), torch_dtype=torch.float32).eval()
+
+
+PENALTIES = [dict(frequency_penalty=1.5), dict(presence_penalty=2.0, frequency_penalty=-0.3),
+             dict(repetition_penalty=1.8)]
+
+
+@pytest.mark.parametrize("mode", ["local", "disagg"])
+def test_penalties_over_http_follow_the_reference_formulas(client, hf_tiny, mode):
+    """Greedy with each penalty gives, token for token, what OpenAI's formula (HF's for the
+    repetition penalty) applied to transformers' logits predicts; logit_bias +100 forces a token."""
+    from tests.test_penalties import reference_greedy
+    from workers.engine import SamplingParams
+
+    prompt = list(b"abababababab cdcdcd")  # every penalty below changes its greedy output
+    body = {"prompt": prompt, "temperature": 0, "max_tokens": 12, "ignore_eos": True, "return_token_ids": True}
+    headers = {"x-pd-mode": mode}
+
+    def served(**extra) -> list[int]:
+        r = client.post("/v1/completions", json={**body, **extra}, headers=headers)
+        assert r.status_code == 200 and r.headers["x-pd-route"] == mode, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    plain = served()
+    for penalty in PENALTIES:
+        expected = reference_greedy(hf_tiny, prompt, SamplingParams(max_tokens=12, temperature=0.0, **penalty))
+        assert served(**penalty) == expected, penalty
+        assert expected != plain, f"{penalty} changed nothing: the check proves nothing"
+    assert served(logit_bias={"42": 100}) == [42] * 12
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "size": {"type": "integer", "minimum": 0, "maximum": 999},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "size", "tags", "ok"],
+    "additionalProperties": False,
+}
+JSON_SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "item", "schema": SCHEMA, "strict": True}}
+
+
+@pytest.mark.parametrize("mode", ["local", "disagg"])
+def test_json_schema_holds_for_50_seeded_samples(oai, mode):
+    """Seeds 0..49 at temperature 1 (n = 10 from five seed bases): every output that stops
+    validates; one cut by max_tokens says `length`; json_object gives an object."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import jsonschema
+
+    def sample(seed_base: int, fmt=JSON_SCHEMA_FORMAT, max_tokens=MAX_TOKENS_LIMIT):
+        raw = oai.chat.completions.with_raw_response.create(
+            model="tiny", messages=CHAT, n=10, seed=seed_base, temperature=1.0, max_completion_tokens=max_tokens,
+            response_format=fmt, extra_headers={"x-pd-mode": mode})
+        assert raw.headers["x-pd-route"] == mode
+        return raw.parse().choices
+
+    with ThreadPoolExecutor(5) as pool:
+        choices = [c for batch in pool.map(sample, range(0, 50, 10)) for c in batch]
+    assert len(choices) == 50
+    stopped = [c for c in choices if c.finish_reason == "stop"]
+    assert {c.finish_reason for c in choices} <= {"stop", "length"}
+    assert len(stopped) >= 25, [c.message.content for c in choices if c.finish_reason != "stop"]
+    for c in stopped:
+        jsonschema.validate(json.loads(c.message.content), SCHEMA)
+    cut = sample(0, max_tokens=5)
+    assert {c.finish_reason for c in cut} == {"length"}
+    objects = sample(100, fmt={"type": "json_object"})
+    assert all(isinstance(json.loads(c.message.content), dict) for c in objects if c.finish_reason == "stop")
+
+
+def test_unsupported_schemas_and_streamed_best_of_are_400s(oai):
+    no_schema = {"type": "json_schema"}
+    _bad_request(lambda: oai.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1,
+                                                     response_format=no_schema), "response_format.json_schema")
+    unique = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "array", "uniqueItems": True}}}
+    error = _bad_request(lambda: oai.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1,
+                                                             response_format=unique), "response_format")
+    assert "uniqueItems" in error["message"]
+    _bad_request(lambda: oai.completions.create(model="tiny", prompt="x", max_tokens=2, n=1, best_of=2,
+                                                stream=True), "best_of")
 
 
 @pytest.fixture()

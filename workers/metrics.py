@@ -3,7 +3,7 @@
 Each replica renders its registry as Prometheus text and sends it with every heartbeat;
 the ControlPlane sums the counters and histograms of all replicas and keeps the gauges
 per `pool`/`replica`, so `/metrics` on any router shows the whole cluster.
-Engine counters (prefix-cache queries/hits) are mirrored from `engine.stats()` by delta,
+Engine counters (prefix-cache queries/hits, prompt tokens computed) are mirrored from `engine.stats()` by delta,
 so the engine stays the one owner of those facts.
 """
 
@@ -31,6 +31,10 @@ class WorkerMetrics:
             "pdc_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", ["model"], registry=r)
         self.prefix_hits = Counter(
             "pdc_prefix_cache_hits", "Prompt tokens found in the prefix cache", ["model"], registry=r)
+        self.prompt_tokens_computed = Counter(
+            "pdc_prompt_tokens_computed", "Prompt positions run through the model, by pool (a prefix-cache hit "
+            "is not computed; a recompute after preemption is); one prefill of n sequences counts once",
+            ["model", "pool"], registry=r)
         self.background_requests = Counter(
             "pdc_background_prefills", "Requests prefilled in the background (prompts `auto` spilled "
             "onto a decode replica, yielding to its streams)", ["model"], registry=r)
@@ -69,6 +73,7 @@ class WorkerMetrics:
         """Copy engine stats into the gauges and counters."""
         self._mirror(self.prefix_queries, stats, "prefix_cache_queries")
         self._mirror(self.prefix_hits, stats, "prefix_cache_hits")
+        self._mirror(self.prompt_tokens_computed, stats, "num_prompt_tokens_computed", self._gauge_labels["pool"])
         self._mirror(self.background_requests, stats, "num_background_requests")
         self._mirror(self.stream_rejected, stats, "num_stream_rejected")
         for method in ("generate", "prefill"):
