@@ -66,8 +66,7 @@ def completion_logprobs(texts: TokenTexts, token_ids: list[int], entries: list[T
         out["text_offset"].append(text_offset)
         text_offset += len(text)
         out["token_logprobs"].append(None if entry is None else entry.logprob)
-        out["top_logprobs"].append(None if entry is None else
-                                   {texts.text(i): lp for i, lp in entry.top})
+        out["top_logprobs"].append(None if entry is None else _top_by_text(texts, entry.top))
     return out
 
 
@@ -79,3 +78,12 @@ def chat_logprobs(texts: TokenTexts, entries: list[TokenLogprob | None]) -> dict
 
 def _chat_token(texts: TokenTexts, token_id: int, logprob: float) -> dict[str, Any]:
     return {"token": texts.text(token_id), "logprob": logprob, "bytes": texts.bytes(token_id)}
+
+
+def _top_by_text(texts, top) -> dict[str, float]:
+    """`{token text: logprob}`, most likely first. Tokens whose texts are equal (bytes of a
+    character cut in two all read as U+FFFD) share one key, which keeps the most likely."""
+    out: dict[str, float] = {}
+    for token_id, logprob in top:
+        out.setdefault(texts.text(token_id), logprob)
+    return out

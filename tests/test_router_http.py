@@ -370,6 +370,12 @@ def test_echo_with_logprobs_as_lm_eval_reads_it(oai, tiny_model_dir, mode):
         for i in range(1, len(ids)):
             assert abs(lp.token_logprobs[i] - expected[i - 1, ids[i]].item()) < 1e-4
             assert len(lp.top_logprobs[i]) >= 1
+    # A cached prefix must not leave gaps: the same prompt again (now in the prefix cache)
+    # returns every prompt logprob, unchanged.
+    again = oai.completions.create(model="tiny", prompt=prompts[0], echo=True, max_tokens=1, logprobs=1,
+                                   temperature=0, extra_headers={"x-pd-mode": mode})
+    assert again.choices[0].logprobs.token_logprobs[:len(prompts[0])] == \
+        out.choices[0].logprobs.token_logprobs[:len(prompts[0])]
     only_prompt = oai.completions.create(model="tiny", prompt="echo me", echo=True, max_tokens=0,
                                          extra_headers={"x-pd-mode": mode})
     assert only_prompt.choices[0].text == "echo me" and only_prompt.usage.completion_tokens == 0
@@ -391,6 +397,35 @@ def test_generated_logprobs_shapes(oai, mode):
                                     temperature=0, stream=True, extra_headers={"x-pd-mode": mode})
     streamed = [lp for part in stream for c in part.choices if c.logprobs for lp in c.logprobs.token_logprobs]
     assert streamed == text.logprobs.token_logprobs
+
+
+@pytest.mark.parametrize("mode", ["local", "disagg"])
+def test_generated_logprobs_equal_transformers(oai, client, tiny_model_dir, mode):
+    """Each generated token's logprob and its top alternatives are transformers'
+    log-softmax at that position (fp32), whichever route prefilled the prompt."""
+    prompt = "logprobs of what comes next " * 2
+    ids = client.post("/tokenize", json={"model": "tiny", "prompt": prompt}).json()["tokens"]
+    out = oai.completions.create(model="tiny", prompt=prompt, max_tokens=5, logprobs=3, temperature=0,
+                                 extra_headers={"x-pd-mode": mode}).choices[0]
+    token_ids = _generated_ids(client, prompt, mode)
+    expected = _transformers_logprobs(tiny_model_dir, ids + token_ids)
+    assert len(out.logprobs.token_logprobs) == len(token_ids)
+    for i, (token_id, logprob) in enumerate(zip(token_ids, out.logprobs.token_logprobs, strict=True)):
+        row = expected[len(ids) + i - 1]
+        assert abs(logprob - row[token_id].item()) < 1e-4
+        # Keyed by token text: tokens with the same text share a key (the most likely kept).
+        top = sorted(out.logprobs.top_logprobs[i].values(), reverse=True)
+        true_top = row.topk(3).values.tolist()
+        assert top[0] == pytest.approx(true_top[0], abs=1e-4)
+        assert all(min(abs(v - t) for t in true_top) < 1e-4 for v in top)
+
+
+def _generated_ids(client, prompt: str, mode: str) -> list[int]:
+    r = client.post("/v1/completions", headers={"x-pd-mode": mode},
+                    json={"model": "tiny", "prompt": prompt, "max_tokens": 5, "temperature": 0,
+                          "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
 
 
 @pytest.mark.parametrize("mode", ["local", "disagg"])
