@@ -19,7 +19,7 @@ def bench_api_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
     preset: str = typer.Option("small", help="Model preset (tiny, small)."),
     num_requests: int = typer.Option(16, min=1, help="Number of requests per run."),
-    repeats: int = typer.Option(3, min=1, help="Runs of every configuration; medians count."),
+    repeats: int = typer.Option(7, min=1, help="Rounds of every configuration; the median of each round's own ratio counts."),
     seed: int = typer.Option(0, help="Workload and sampling seed."),
     max_prompt_len: int = typer.Option(256, min=32, help="Prompt lengths are uniform in 32..this."),
     max_output_len: int = typer.Option(64, min=16, help="Output lengths are uniform in 16..this."),
