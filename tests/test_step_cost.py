@@ -61,3 +61,19 @@ def test_the_engine_sizes_its_scheduler_from_its_records(make_engine):
     model = engine.step_cost
     assert model.decode_step_s and model.prefill_token_s
     assert engine.scheduler.yield_tokens == model.yield_tokens(32, 128)
+
+
+def test_step_records_count_prefill_sequences_and_attention_work(make_engine):
+    """Budget 32, prompts of 50 and 3 tokens: step 1 computes A[0:32), step 2 A[32:50)
+    and B[0:3); each chunk's tokens attend to everything up to its end."""
+    from tests.engine_support import greedy, random_prompts
+
+    engine = make_engine(max_num_batched_tokens=32)
+    engine.generate(random_prompts([50, 3]), [greedy(2, ignore_eos=True)] * 2)
+    first, second, third = list(engine.step_records)[:3]
+    assert (first.num_prefill_seqs, first.prefill_attention_work) == (1, 32 * 32)
+    assert (second.num_prefill_seqs, second.num_prefill_tokens) == (2, 18 + 3)
+    assert second.prefill_attention_work == 18 * 50 + 3 * 3
+    assert second.num_context_tokens == 50 + 3
+    assert (third.num_prefill_seqs, third.prefill_attention_work, third.num_decode_seqs) == (0, 0, 2)
+    assert third.num_context_tokens == 51 + 4

@@ -288,12 +288,18 @@ class LLMEngine:
         return seq.prompt_logprobs if len(seq.output_token_ids) == len(new_token_ids) == 1 else None
 
     def _record_step(self, batch: list[ScheduledSeq], start_time: float, step_time_s: float) -> None:
-        num_decode = sum(1 for s in batch if s.num_new_tokens == 1 and s.start >= s.seq.num_prompt_tokens)
+        # The step has advanced each sequence: its chunk was [computed - new, computed).
+        chunks = [(s.seq.num_computed_tokens - s.num_new_tokens, s.seq.num_computed_tokens, s.seq)
+                  for s in batch]
+        prefills = [(start, end) for start, end, seq in chunks
+                    if not (end - start == 1 and start >= seq.num_prompt_tokens)]
         record = StepRecord(
             start_time=start_time, step_time_s=step_time_s,
-            num_prefill_tokens=sum(s.num_new_tokens for s in batch) - num_decode,
-            num_decode_seqs=num_decode, num_context_tokens=sum(s.end for s in batch),
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting))
+            num_prefill_tokens=sum(end - start for start, end in prefills),
+            num_decode_seqs=len(batch) - len(prefills), num_context_tokens=sum(end for _, end, _ in chunks),
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_prefill_seqs=len(prefills),
+            prefill_attention_work=sum((end - start) * end for start, end in prefills))
         self.step_records.append(record)
         if batch:
             self.step_cost.observe(record)

@@ -32,6 +32,9 @@ class StepRecord:
     num_context_tokens: int  # sum of context lengths attended over
     num_running: int
     num_waiting: int
+    num_prefill_seqs: int = 0  # sequences that computed prompt tokens this step
+    # sum over prefill chunks of chunk tokens x tokens the chunk attends to (its end)
+    prefill_attention_work: int = 0
 
 
 @dataclass
