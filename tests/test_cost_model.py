@@ -1,0 +1,210 @@
+"""The learned step and KV transfer cost models: synthetic records of known coefficients,
+the guards (non-negative, sliding window, cold start), and records of the real engine."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+
+import numpy as np
+import pytest
+
+from tests.engine_support import greedy, make_engine_fixture, random_prompts  # noqa: F401
+from workers.engine.cost_model import (
+    DEFAULT_COEFFICIENTS,
+    StepCoefficients,
+    StepCostFit,
+    StepFeatures,
+    nnls,
+    step_features,
+)
+from workers.engine.step_cost import StepRecord
+from workers.engine.transfer_cost import (
+    DEFAULT_TRANSFER,
+    TransferCoefficients,
+    TransferCostFit,
+    TransferCosts,
+)
+
+TRUE = StepCoefficients(fixed_s=0.005, prefill_token_s=5e-5, prefill_attention_s=2e-8,
+                        decode_seq_s=3e-4, decode_context_s=2e-6)
+
+
+def step(t: float, prefill_tokens: int, decode_seqs: int, decode_context: int, prior: int = 0) -> StepRecord:
+    """A step with at most one prefill chunk of `prefill_tokens` after `prior` tokens."""
+    end = prior + prefill_tokens if prefill_tokens else 0
+    return StepRecord(start_time=0.0, step_time_s=t, num_prefill_tokens=prefill_tokens,
+                      num_decode_seqs=decode_seqs, num_context_tokens=decode_context + end,
+                      num_running=decode_seqs + 1, num_waiting=0, num_prefill_seqs=int(prefill_tokens > 0),
+                      prefill_attention_work=prefill_tokens * end)
+
+
+def synthetic_steps(n: int, true: StepCoefficients = TRUE, noise: float = 0.03,
+                    seed: int = 0) -> list[StepRecord]:
+    """Pure decode, pure prefill and mixed steps; time = the true model x U(1 +- noise)."""
+    rng = random.Random(seed)
+    steps = []
+    for _ in range(n):
+        kind = rng.choice(["decode", "prefill", "mixed"])
+        chunk = rng.randint(16, 512) if kind != "decode" else 0
+        prior = rng.randint(0, 1024) if chunk else 0
+        work = chunk * (prior + chunk) if chunk else 0
+        seqs = rng.randint(1, 32) if kind != "prefill" else 0
+        decode_ctx = sum(rng.randint(16, 2048) for _ in range(seqs))
+        features = StepFeatures(chunk, work, seqs, decode_ctx)
+        t = float(features.row() @ true.vector()) * rng.uniform(1 - noise, 1 + noise)
+        steps.append(step(t, chunk, seqs, decode_ctx, prior))
+    return steps
+
+
+def fitted(steps) -> StepCostFit:
+    model = StepCostFit()
+    model.seed(steps)
+    return model
+
+
+def test_known_coefficients_are_recovered_and_held_out_steps_predicted():
+    model = fitted(synthetic_steps(512, seed=1))
+    got, want = model.coefficients.vector(), TRUE.vector()
+    assert got == pytest.approx(want, rel=0.05)
+    assert model.median_relative_error(synthetic_steps(500, seed=2)) <= 0.05
+
+
+def test_coefficients_are_json_ready():
+    c = fitted(synthetic_steps(64)).coefficients
+    assert StepCoefficients.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+
+
+@pytest.mark.parametrize("zeroed", ["fixed_s", "prefill_attention_s", "decode_context_s"])
+def test_a_true_zero_stays_non_negative(zeroed):
+    true = StepCoefficients(**{**TRUE.to_dict(), zeroed: 0.0})
+    c = fitted(synthetic_steps(512, true, seed=3)).coefficients
+    assert (c.vector() >= 0).all()
+    assert getattr(c, zeroed) <= 0.02 * max(true.vector())  # near zero, not a compensating swing
+    assert fitted(synthetic_steps(512, true, seed=3)).median_relative_error(
+        synthetic_steps(200, true, seed=4)) <= 0.05
+
+
+def test_data_that_pulls_a_coefficient_negative_is_clamped():
+    """Bigger decode batches that are cheaper per step would need c3 < 0."""
+    steps = [step(0.02 - 0.0004 * s, 0, s, 100 * s) for s in range(1, 33)]
+    c = fitted(steps).coefficients
+    assert (c.vector() >= 0).all() and c.decode_seq_s == 0.0
+    unconstrained = np.linalg.lstsq(np.stack([step_features(s).row() for s in steps])[:, [0, 3, 4]],
+                                    [s.step_time_s for s in steps], rcond=None)[0]
+    assert min(unconstrained) < 0  # what an unconstrained fit would have done
+
+
+def test_the_window_follows_a_change_in_the_true_costs():
+    model = StepCostFit(window=256, refit_every=32)
+    for record in synthetic_steps(256, seed=5):
+        model.observe(record)
+    slower = StepCoefficients(*(2 * TRUE.vector()))
+    for record in synthetic_steps(256, slower, seed=6):
+        model.observe(record)
+    assert model.coefficients.vector() == pytest.approx(slower.vector(), rel=0.05)
+    assert model.median_relative_error(synthetic_steps(200, slower, seed=7)) <= 0.05
+
+
+def test_three_warm_up_steps_predict_finite_positive_times():
+    model = StepCostFit()
+    assert model.coefficients == DEFAULT_COEFFICIENTS
+    assert model.predict(StepFeatures(prefill_tokens=100)) > 0  # cold: the stated default
+    model.seed(synthetic_steps(3, seed=8))
+    assert (model.coefficients.vector() >= 0).all()
+    for features in [StepFeatures(), StepFeatures(512, 512 * 512), StepFeatures(0, 0, 8, 4000),
+                     StepFeatures(1, 1, 1, 1)]:
+        t = model.predict(features)
+        assert math.isfinite(t) and t > 0
+
+
+def test_idle_steps_are_not_learned():
+    model = StepCostFit()
+    model.observe(step(0.5, 0, 0, 0))
+    assert model.num_samples == 0
+
+
+def test_nnls_matches_the_best_non_negative_subset():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        a, b = rng.normal(size=(40, 5)), rng.normal(size=40)
+        x = nnls(a, b)
+        assert (x >= 0).all()
+        best = min(_subset_loss(a, b, mask) for mask in range(32))
+        assert np.sum((a @ x - b) ** 2) == pytest.approx(best, rel=1e-6, abs=1e-9)
+
+
+def _subset_loss(a, b, mask):
+    idx = [j for j in range(5) if mask >> j & 1]
+    if not idx:
+        return float(np.sum(b ** 2))
+    x = np.linalg.lstsq(a[:, idx], b, rcond=None)[0]
+    return float(np.sum((a[:, idx] @ x - b) ** 2)) if (x >= 0).all() else math.inf
+
+
+def test_refit_of_a_full_window_is_fast():
+    model = StepCostFit()
+    for record in synthetic_steps(512, seed=9):
+        model.observe(record)
+    start = time.perf_counter()
+    for _ in range(20):
+        model.fit()
+    per_fit_ms = (time.perf_counter() - start) / 20 * 1e3
+    print(f"refit of 512 records: {per_fit_ms:.3f} ms")
+    assert per_fit_ms < 50
+
+
+def transfer_samples(fixed_s, bytes_per_s, n=200, seed=0, noise=0.03):
+    rng = random.Random(seed)
+    sizes = [rng.randint(1 << 12, 1 << 26) for _ in range(n)]
+    return [(b, (fixed_s + b / bytes_per_s) * rng.uniform(1 - noise, 1 + noise)) for b in sizes]
+
+
+def test_transfer_fit_recovers_fixed_cost_and_bandwidth():
+    fit = TransferCostFit()
+    for b, s in transfer_samples(0.003, 5e9):
+        fit.observe(b, s)
+    c = fit.coefficients
+    assert c.fixed_s == pytest.approx(0.003, rel=0.05) and c.bytes_per_s == pytest.approx(5e9, rel=0.05)
+    assert fit.predict(1 << 20) == pytest.approx(0.003 + (1 << 20) / 5e9, rel=0.05)
+    assert TransferCoefficients.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+
+
+def test_transfer_fit_stays_non_negative_and_cold_pairs_predict():
+    fit = TransferCostFit()
+    assert fit.coefficients == DEFAULT_TRANSFER
+    for b, s in transfer_samples(0.0, 1e9, seed=1):  # no fixed cost at all
+        fit.observe(b, s)
+    assert 0 <= fit.coefficients.fixed_s < 1e-4
+    one = TransferCostFit()
+    one.observe(1 << 20, 0.01)  # one sample: finite, positive
+    assert 0 < one.predict(1 << 20) < 0.1 and one.coefficients.bytes_per_s > 0
+
+
+def test_transfer_costs_per_pair_and_pooled_for_unseen_pairs():
+    costs = TransferCosts()
+    for b, s in transfer_samples(0.002, 1e10, n=100, seed=2):
+        costs.observe("p0", "d0", b, s)
+    for b, s in transfer_samples(0.010, 1e9, n=100, seed=3):
+        costs.observe("p1", "d0", b, s)
+    assert costs.fit_for("p0", "d0").coefficients.bytes_per_s == pytest.approx(1e10, rel=0.05)
+    assert costs.fit_for("p1", "d0").coefficients.fixed_s == pytest.approx(0.010, rel=0.05)
+    pooled = costs.predict("p9", "d9", 1 << 24)
+    assert costs.predict("p0", "d0", 1 << 24) < pooled < costs.predict("p1", "d0", 1 << 24)
+    assert set(costs.coefficients()) == {"p0->d0", "p1->d0", "*"}
+
+
+def test_the_real_engines_records_are_predicted(make_engine):
+    """Fit on half the tiny model's step records, predict the other half (CPU timing is
+    noisy, so only a loose bound is asserted; the figure is printed)."""
+    engine = make_engine(max_num_batched_tokens=128)
+    lens = [5, 40, 300, 17, 120, 64, 9, 200, 33, 90] * 3
+    engine.generate(random_prompts(lens, seed=4), greedy(24, ignore_eos=True))
+    records = list(engine.step_records)
+    model = fitted(records[0::2])
+    error = model.median_relative_error(records[1::2])
+    print(f"real records: {len(records)}, held-out median relative error {error:.3f}, "
+          f"coefficients {model.coefficients.to_dict()}")
+    assert math.isfinite(error) and error < 0.5

@@ -1,0 +1,227 @@
+"""A replica's step time as a learned linear function of the work in the step.
+
+    t = c0                      fixed per-step overhead (launches, sampling, scheduling)
+      + c1 * prompt tokens computed
+      + c2 * prefill attention work   (sum over prefill chunks: chunk tokens x context)
+      + c3 * decode sequences
+      + c4 * context tokens attended by decode sequences
+
+Fitted online over a sliding window of step records, minimising the relative error
+sum(((pred - t) / t)^2) (weighted least squares with weights 1 / t^2, so a 5 ms decode
+step counts as much as a 500 ms prefill), with every c_i >= 0 (active-set NNLS). With
+few records the full fit is underdetermined, so it falls back to c0 plus the single term
+that explains the records best; with none it predicts from `DEFAULT_COEFFICIENTS`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from workers.engine.step_cost import StepRecord
+
+WINDOW = 512  # step records the fit looks at
+REFIT_EVERY = 32  # observations between automatic refits
+MIN_FULL_FIT = 16  # fewer records (or a rank-deficient window): c0 + one term
+MIN_STEP_S = 1e-6  # predictions never go below this
+
+
+@dataclass(frozen=True)
+class StepFeatures:
+    """The work in one step, in the units the coefficients multiply."""
+
+    prefill_tokens: float = 0.0
+    prefill_attention_work: float = 0.0
+    decode_seqs: float = 0.0
+    decode_context_tokens: float = 0.0
+
+    def row(self) -> np.ndarray:
+        """[1, x1, x2, x3, x4]: the design-matrix row (the 1 multiplies c0)."""
+        return np.array([1.0, self.prefill_tokens, self.prefill_attention_work,
+                         self.decode_seqs, self.decode_context_tokens])
+
+
+@dataclass(frozen=True)
+class StepCoefficients:
+    """c0..c4 of the step model, seconds per unit; JSON-ready through `to_dict`."""
+
+    fixed_s: float
+    prefill_token_s: float
+    prefill_attention_s: float
+    decode_seq_s: float
+    decode_context_s: float
+    num_samples: int = 0
+
+    def vector(self) -> np.ndarray:
+        return np.array([self.fixed_s, self.prefill_token_s, self.prefill_attention_s,
+                         self.decode_seq_s, self.decode_context_s])
+
+    def to_dict(self) -> dict[str, float | int]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> StepCoefficients:
+        return cls(**data)
+
+    @classmethod
+    def from_vector(cls, c: np.ndarray, num_samples: int) -> StepCoefficients:
+        return cls(*(float(v) for v in c), num_samples=num_samples)
+
+
+# A cold replica with no records: a 10 ms step plus 0.1 ms per prompt token and per
+# decode sequence; the first seed replaces it.
+DEFAULT_COEFFICIENTS = StepCoefficients(0.010, 1e-4, 0.0, 1e-4, 0.0)
+
+
+def step_features(record: StepRecord) -> StepFeatures:
+    """The one mapping from a step record to the model's features.
+
+    The record's context tokens are every sequence's end; the decode share is that less
+    the prefill chunks' ends, estimated as prefill sequences x the token-weighted mean
+    end (attention work / prompt tokens), which is exact for one prefill chunk a step.
+    """
+    prefill_tokens, work = record.num_prefill_tokens, record.prefill_attention_work
+    prefill_ends = record.num_prefill_seqs * work / prefill_tokens if prefill_tokens else 0.0
+    decode_context = max(0.0, record.num_context_tokens - prefill_ends)
+    return StepFeatures(float(prefill_tokens), float(work), float(record.num_decode_seqs), decode_context)
+
+
+def has_work(record: StepRecord) -> bool:
+    return record.step_time_s > 0 and (record.num_prefill_tokens > 0 or record.num_decode_seqs > 0)
+
+
+class StepCostFit:
+    """Online NNLS fit of the step model over the last `window` records."""
+
+    def __init__(self, window: int = WINDOW, refit_every: int = REFIT_EVERY) -> None:
+        self._rows: deque[np.ndarray] = deque(maxlen=window)
+        self._times: deque[float] = deque(maxlen=window)
+        self._refit_every = refit_every
+        self._since_fit = 0
+        self._coefficients = DEFAULT_COEFFICIENTS
+
+    @property
+    def coefficients(self) -> StepCoefficients:
+        return self._coefficients
+
+    @property
+    def num_samples(self) -> int:
+        return len(self._times)
+
+    def observe(self, record: StepRecord) -> None:
+        """Add a record to the window (steps without work are skipped); refit every
+        `refit_every` observations."""
+        if not has_work(record):
+            return
+        self._rows.append(step_features(record).row())
+        self._times.append(record.step_time_s)
+        self._since_fit += 1
+        if self._since_fit >= self._refit_every:
+            self.fit()
+
+    def seed(self, records: Iterable[StepRecord]) -> StepCoefficients:
+        """Start from warm-up steps: observe them all and fit now."""
+        for record in records:
+            self.observe(record)
+        return self.fit()
+
+    def fit(self) -> StepCoefficients:
+        """Refit on the window; keeps the previous coefficients when it is empty."""
+        self._since_fit = 0
+        if not self._times:
+            return self._coefficients
+        a, t = np.stack(self._rows), np.array(self._times)
+        c = fit_step_coefficients(a, t)
+        self._coefficients = StepCoefficients.from_vector(c, len(t))
+        return self._coefficients
+
+    def predict(self, features: StepFeatures) -> float:
+        """Predicted step time in seconds."""
+        return max(MIN_STEP_S, float(features.row() @ self._coefficients.vector()))
+
+    def predict_record(self, record: StepRecord) -> float:
+        return self.predict(step_features(record))
+
+    def median_relative_error(self, records: Iterable[StepRecord]) -> float:
+        """median |pred - t| / t over the records with work (nan when there are none)."""
+        errors = [abs(self.predict_record(r) - r.step_time_s) / r.step_time_s
+                  for r in records if has_work(r)]
+        return float(np.median(errors)) if errors else float("nan")
+
+
+def fit_step_coefficients(a: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """c >= 0 minimising sum(((a @ c - t) / t)^2). Columns that are all zero in the
+    window keep c = 0; c0 + the best single term when the window is too small or
+    rank-deficient for the rest."""
+    cols = [j for j in range(a.shape[1]) if j == 0 or a[:, j].any()]
+    scaled = a[:, cols] / t[:, None]
+    if len(t) >= MIN_FULL_FIT and np.linalg.matrix_rank(scaled / np.linalg.norm(scaled, axis=0)) == len(cols):
+        c = np.zeros(a.shape[1])
+        c[cols] = nnls_relative(a[:, cols], t)
+        return c
+    return _fit_fixed_plus_one(a, t)
+
+
+def _fit_fixed_plus_one(a: np.ndarray, t: np.ndarray) -> np.ndarray:
+    best, best_loss = np.zeros(a.shape[1]), np.inf
+    best[0] = float(np.median(t))  # c0 alone: the median step
+    best_loss = _relative_loss(a, t, best)
+    for j in range(1, a.shape[1]):
+        if not a[:, j].any():
+            continue
+        cols = [0, j]
+        c = np.zeros(a.shape[1])
+        c[cols] = nnls_relative(a[:, cols], t)
+        loss = _relative_loss(a, t, c)
+        if loss < best_loss - 1e-12:
+            best, best_loss = c, loss
+    return best
+
+
+def _relative_loss(a: np.ndarray, t: np.ndarray, c: np.ndarray) -> float:
+    return float(np.sum(((a @ c - t) / t) ** 2))
+
+
+def nnls_relative(a: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """c >= 0 minimising sum(((a @ c - t) / t)^2): NNLS on rows divided by t, with the
+    columns scaled to unit norm so seconds-per-token and seconds-per-step coefficients
+    are solved on one footing (a positive column scale keeps c >= 0 unchanged)."""
+    weighted = a / t[:, None]
+    norms = np.linalg.norm(weighted, axis=0)
+    norms[norms == 0] = 1.0
+    return nnls(weighted / norms, np.ones(len(t))) / norms
+
+
+def nnls(a: np.ndarray, b: np.ndarray, tol: float = 1e-10) -> np.ndarray:
+    """Lawson-Hanson active set: x >= 0 minimising ||a x - b||, on the normal equations
+    (the few columns make each inner solve a tiny dense system)."""
+    gram, atb = a.T @ a, a.T @ b
+    n = len(atb)
+    x, passive = np.zeros(n), np.zeros(n, dtype=bool)
+    for _ in range(3 * n):
+        gradient = atb - gram @ x
+        if passive.all() or gradient[~passive].max() <= tol:
+            break
+        passive[np.argmax(np.where(passive, -np.inf, gradient))] = True
+        x, passive = _solve_passive(gram, atb, x, passive, tol)
+    return x
+
+
+def _solve_passive(gram: np.ndarray, atb: np.ndarray, x: np.ndarray, passive: np.ndarray,
+                   tol: float) -> tuple[np.ndarray, np.ndarray]:
+    """Least squares on the passive set, stepping back toward x while a variable goes <= 0."""
+    while passive.any():
+        z = np.zeros_like(x)
+        idx = np.flatnonzero(passive)
+        z[idx] = np.linalg.lstsq(gram[np.ix_(idx, idx)], atb[idx], rcond=None)[0]
+        if (z[idx] > tol).all():
+            return z, passive
+        blocked = passive & (z <= tol)
+        alpha = np.min(x[blocked] / np.maximum(x[blocked] - z[blocked], 1e-300))
+        x = x + alpha * (z - x)
+        passive = passive & (x > tol)
+        x[~passive] = 0.0
+    return x, passive

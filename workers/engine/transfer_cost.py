@@ -1,0 +1,120 @@
+"""KV transfer time per (prefill, decode) pair, learned from transfer samples.
+
+    seconds = fixed_s + bytes / bytes_per_s
+
+Fitted like the step model (`cost_model`): over a sliding window of (bytes, seconds)
+samples, minimising the relative error sum(((pred - s) / s)^2) with fixed_s >= 0 and
+1 / bytes_per_s >= 0. A pair never seen predicts from the pooled fit over all pairs,
+and with no samples at all from `DEFAULT_TRANSFER`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from workers.engine.cost_model import nnls_relative
+
+WINDOW = 512
+MIN_FULL_FIT = 4  # fewer samples, or one size only: bandwidth with the default fixed cost
+
+
+@dataclass(frozen=True)
+class TransferCoefficients:
+    fixed_s: float
+    bytes_per_s: float  # inf when the fit puts no cost on bytes
+    num_samples: int = 0
+
+    def to_dict(self) -> dict[str, float | int | None]:
+        data = asdict(self)
+        data["bytes_per_s"] = None if np.isinf(self.bytes_per_s) else self.bytes_per_s
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> TransferCoefficients:
+        bandwidth = data["bytes_per_s"]
+        return cls(data["fixed_s"], float("inf") if bandwidth is None else bandwidth,
+                   data.get("num_samples", 0))
+
+
+# A cold pair: 2 ms of setup and 1 GB/s (a TCP path); the first samples replace it.
+DEFAULT_TRANSFER = TransferCoefficients(0.002, 1e9)
+
+
+class TransferCostFit:
+    """Online fit of fixed + bytes / bandwidth over the last `window` samples."""
+
+    def __init__(self, window: int = WINDOW, default: TransferCoefficients = DEFAULT_TRANSFER) -> None:
+        self._bytes: deque[float] = deque(maxlen=window)
+        self._seconds: deque[float] = deque(maxlen=window)
+        self._default = default
+        self._coefficients = default
+        self._stale = False
+
+    @property
+    def coefficients(self) -> TransferCoefficients:
+        if self._stale:
+            self.fit()
+        return self._coefficients
+
+    def observe(self, num_bytes: float, seconds: float) -> None:
+        if seconds > 0 and num_bytes >= 0:
+            self._bytes.append(float(num_bytes))
+            self._seconds.append(float(seconds))
+            self._stale = True
+
+    def fit(self) -> TransferCoefficients:
+        self._stale = False
+        if self._seconds:
+            self._coefficients = fit_transfer(np.array(self._bytes), np.array(self._seconds), self._default)
+        return self._coefficients
+
+    def predict(self, num_bytes: float) -> float:
+        """Predicted transfer seconds for `num_bytes`."""
+        c = self.coefficients
+        return c.fixed_s + num_bytes / c.bytes_per_s
+
+
+def fit_transfer(num_bytes: np.ndarray, seconds: np.ndarray,
+                 default: TransferCoefficients) -> TransferCoefficients:
+    """NNLS on relative error; with too few samples or a single size the two terms cannot
+    be told apart, so the default fixed cost is kept and only the bandwidth is fitted."""
+    if len(seconds) >= MIN_FULL_FIT and np.ptp(num_bytes) > 0:
+        fixed, per_byte = nnls_relative(np.stack([np.ones_like(num_bytes), num_bytes], axis=1), seconds)
+    else:
+        fixed = min(default.fixed_s, 0.5 * float(np.min(seconds)))
+        extra = np.maximum(seconds - fixed, 0.0)
+        per_byte = float(np.median(extra / np.maximum(num_bytes, 1.0)))
+    bandwidth = float("inf") if per_byte <= 0 else 1.0 / per_byte
+    return TransferCoefficients(float(fixed), bandwidth, len(seconds))
+
+
+class TransferCosts:
+    """Transfer fits keyed by (prefill, decode) replica pair, plus the pooled fit."""
+
+    def __init__(self, window: int = WINDOW, default: TransferCoefficients = DEFAULT_TRANSFER) -> None:
+        self._window, self._default = window, default
+        self._pairs: dict[tuple[str, str], TransferCostFit] = {}
+        self._pooled = TransferCostFit(window, default)
+
+    def observe(self, prefill_id: str, decode_id: str, num_bytes: float, seconds: float) -> None:
+        pair = (prefill_id, decode_id)
+        if pair not in self._pairs:
+            self._pairs[pair] = TransferCostFit(self._window, self._default)
+        self._pairs[pair].observe(num_bytes, seconds)
+        self._pooled.observe(num_bytes, seconds)
+
+    def fit_for(self, prefill_id: str, decode_id: str) -> TransferCostFit:
+        """The pair's own fit; the pooled one for a pair never seen."""
+        return self._pairs.get((prefill_id, decode_id), self._pooled)
+
+    def predict(self, prefill_id: str, decode_id: str, num_bytes: float) -> float:
+        return self.fit_for(prefill_id, decode_id).predict(num_bytes)
+
+    def coefficients(self) -> dict[str, TransferCoefficients]:
+        """Per pair as "prefill->decode", plus "*" for the pooled fit."""
+        out = {f"{p}->{d}": fit.coefficients for (p, d), fit in self._pairs.items()}
+        out["*"] = self._pooled.coefficients
+        return out
