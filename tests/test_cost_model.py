@@ -104,6 +104,7 @@ def test_the_window_follows_a_change_in_the_true_costs():
     slower = StepCoefficients(*(2 * TRUE.vector()))
     for record in synthetic_steps(256, slower, seed=6):
         model.observe(record)
+    model.fit()  # the last automatic refit may be up to 31 records old
     assert model.coefficients.vector() == pytest.approx(slower.vector(), rel=0.05)
     assert model.median_relative_error(synthetic_steps(200, slower, seed=7)) <= 0.05
 
@@ -118,6 +119,13 @@ def test_three_warm_up_steps_predict_finite_positive_times():
                      StepFeatures(1, 1, 1, 1)]:
         t = model.predict(features)
         assert math.isfinite(t) and t > 0
+
+
+def test_a_young_window_refits_without_waiting_for_a_full_batch():
+    model = StepCostFit(refit_every=32)
+    for record in synthetic_steps(24, seed=10):
+        model.observe(record)
+    assert model.coefficients.num_samples >= 12  # refit at least once past the first half
 
 
 def test_idle_steps_are_not_learned():

@@ -113,13 +113,14 @@ class StepCostFit:
 
     def observe(self, record: StepRecord) -> None:
         """Add a record to the window (steps without work are skipped); refit every
-        `refit_every` observations."""
+        `refit_every` observations, and sooner while the window is young (at about
+        every doubling) so early coefficients improve as fast as the records come."""
         if not has_work(record):
             return
         self._rows.append(step_features(record).row())
         self._times.append(record.step_time_s)
         self._since_fit += 1
-        if self._since_fit >= self._refit_every:
+        if self._since_fit >= min(self._refit_every, max(1, self.num_samples // 2)):
             self.fit()
 
     def seed(self, records: Iterable[StepRecord]) -> StepCoefficients:
