@@ -1,4 +1,5 @@
-"""The admin API: workload profiles, read and changed live.
+"""The admin API: workload profiles, read and changed live; every replica's recent step
+and KV transfer records (`GET /admin/steps`, fetched over the worker streams).
 
 `Authorization: Bearer $PDC_ADMIN_TOKEN`; a missing or wrong token is 401, and with no
 token configured the whole admin API is off (403). A change goes to the ControlPlane,
@@ -7,14 +8,22 @@ which every router replica polls, so it applies to new requests everywhere withi
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import math
+from typing import Any
 
 from pydantic import ValidationError
 
 from cluster.config import WorkloadProfile
+from router.cluster_view import ClusterView
 from router.errors import APIError, bad_request, from_validation_error
+from workers.protocol import StepsRequest
+from workers.stream.client import WorkerStreams
 
 MAX_NAME_LEN = 64
+DEFAULT_STEPS_LIMIT = 1000  # records of each kind per replica
+STEPS_TIMEOUT_S = 2.0  # a replica that has not answered by then is listed with an error
 
 
 def check_admin(authorization: str | None, token: str | None) -> None:
@@ -41,3 +50,44 @@ def parse_profile(name: str, body: object) -> WorkloadProfile:
         return WorkloadProfile.model_validate(body, strict=True)
     except ValidationError as e:
         raise from_validation_error(e) from None
+
+
+def parse_steps_query(query: dict[str, str]) -> StepsRequest:
+    """`?since=<unix time>&limit=N`; 400 naming the bad parameter."""
+    try:
+        since = float(query.get("since", 0.0))
+    except ValueError:
+        raise bad_request("since must be a unix time in seconds", param="since") from None
+    if not math.isfinite(since):
+        raise bad_request("since must be a unix time in seconds", param="since")
+    raw_limit = query.get("limit", str(DEFAULT_STEPS_LIMIT))
+    if not raw_limit.isdigit():
+        raise bad_request("limit must be a non-negative integer", param="limit")
+    return StepsRequest(since, int(raw_limit))
+
+
+async def collect_steps(streams: WorkerStreams | None, view: ClusterView, req: StepsRequest,
+                        timeout_s: float = STEPS_TIMEOUT_S) -> dict[str, Any]:
+    """Every known replica's records, asked concurrently; one that cannot answer (no
+    worker stream, silent, failed) is listed with an `error` instead."""
+    replicas = list(view.replicas.values())
+    answers = await asyncio.gather(*(_steps_of(streams, view.stream_address(r.replica_id), req, timeout_s)
+                                     for r in replicas))
+    return {"replicas": {r.replica_id: {"role": r.role, **answer} for r, answer in zip(replicas, answers, strict=True)}}
+
+
+async def _steps_of(streams: WorkerStreams | None, address: str | None, req: StepsRequest,
+                    timeout_s: float) -> dict[str, Any]:
+    if streams is None or not address:
+        return {"error": "no worker stream to this replica", "steps": [], "transfers": []}
+    call = streams.call(address, req, "steps")
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for reply in call:
+                return {"steps": reply.steps, "transfers": reply.transfers}
+        return {"error": "the replica sent no records", "steps": [], "transfers": []}
+    except Exception as exc:  # noqa: BLE001 - any failure is this replica's entry, never a 500
+        return {"error": f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__,
+                "steps": [], "transfers": []}
+    finally:
+        call.cancel()

@@ -305,6 +305,12 @@ class Router:
         log.info("workload %s set to %s (version %d)", name, profile.model_dump(), version)
         return JSONResponse({"name": name, "profile": profile.model_dump(), "version": version})
 
+    @app.get("/admin/steps")
+    async def admin_get_steps(self, request: Request) -> JSONResponse:
+        admin.check_admin(request.headers.get("authorization"), self.admin_token)
+        query = admin.parse_steps_query(dict(request.query_params))
+        return JSONResponse(await admin.collect_steps(self.streams, self.view, query))
+
     async def _profiles_from_control_plane(self) -> tuple[int, dict[str, Any]]:
         if self.control_plane is None:
             return self.profiles.version, self.profiles.as_dict()

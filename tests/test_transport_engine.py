@@ -101,3 +101,36 @@ def test_failed_transfer_frees_engine_blocks(tiny_model_dir):
         decode.check_integrity()
     finally:
         receiver.close()
+
+
+@pytest.mark.parametrize("backend", ["zmq", "local"])
+def test_a_completed_transfer_leaves_a_record_on_its_sender(tiny_model_dir, backend):
+    """Both engines in this process: the sender's record has the layout's bytes and
+    layers, and its exposed tail (after the last layer) is part of its whole time."""
+    from transport.factory import make_sender
+
+    prefill = LLMEngine(str(tiny_model_dir), block_size=16, num_kv_blocks=64, device="cpu")
+    decode = LLMEngine(str(tiny_model_dir), block_size=16, num_kv_blocks=64, device="cpu")
+    receiver = make_receiver(config(backend), decode, KEY)
+    sender = make_sender(config(backend), KEY)
+    try:
+        res = decode.reserve_kv("t1", PROMPT)
+        receiver.expect("t1", res, timeout=60)
+        sink = sender.open("t1", receiver.address, prefill.layout, start_block=res.num_cached_blocks)
+        prefill.add_request("t1", PROMPT, GREEDY, kv_sink=sink)
+        while prefill.has_unfinished_requests():
+            prefill.step()
+        sink.wait(30)
+        receiver.wait("t1", 30)
+        decode.cancel_kv(res)
+        [record] = list(sender.transfer_records)
+        layout = prefill.layout
+        assert record.transfer_id == "t1"
+        assert record.num_layers == layout.num_layers
+        assert record.num_bytes == layout.layer_nbytes(layout.num_blocks(len(PROMPT))) * layout.num_layers
+        assert record.data_path == ("local" if backend == "local" else sink.data_path) != "none"
+        assert 0 < record.tail_seconds <= record.seconds
+        assert record.start_time > 0
+    finally:
+        sender.close()
+        receiver.close()

@@ -22,7 +22,10 @@ The engine's side of the seam (`KVSink`, `KVTarget`, the payload types) is in
 from __future__ import annotations
 
 import asyncio
+import time
 from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import ClassVar
@@ -30,6 +33,7 @@ from typing import ClassVar
 import torch
 import xxhash
 
+from transport.transfer_record import MAX_TRANSFER_RECORDS, TransferRecord
 from workers.engine.kv_types import ByteDigest, FirstToken, KVLayout, KVReservation
 from workers.engine.sequence import TokenLogprob
 
@@ -172,11 +176,27 @@ class SenderSink(ABC):
     resolves to None when the receiver acknowledged every layer, or to a `TransferError`.
     """
 
+    data_path: str = "none"  # set by subclasses: the path its layers travel
+
     def __init__(self, transfer_id: str, layout: KVLayout, start_block: int) -> None:
         self.transfer_id = transfer_id
         self.layout = layout
         self.start_block = start_block
         self.result: Future[None] = Future()
+        # a completed transfer's record goes here (set by the sender that opened the sink)
+        self.on_record: Callable[[TransferRecord], None] | None = None
+        self._num_bytes = self._num_layers = 0
+        self._start_time = self._first_layer_at = self._last_layer_at = 0.0
+
+    def layer_handed(self, kv: torch.Tensor) -> None:
+        """Subclasses call this from `on_layer`, before queueing the layer: the record's
+        clock and size."""
+        now = time.perf_counter()
+        if not self._num_layers:
+            self._start_time, self._first_layer_at = time.time(), now
+        self._last_layer_at = now
+        self._num_layers += 1
+        self._num_bytes += kv.numel() * kv.element_size()
 
     def new_digest(self) -> ByteDigest | None:
         """The payload checksum's digest (`wire.payload_checksum`), for the engine to feed
@@ -223,15 +243,30 @@ class SenderSink(ABC):
             return False
         try:
             self.result.set_result(None)
-            return True
         except Exception:  # noqa: BLE001
             return False
+        if self.on_record is not None and self._num_layers:
+            now = time.perf_counter()
+            self.on_record(TransferRecord(
+                self.transfer_id, self._num_bytes, self._num_layers, self.data_path, self._start_time,
+                now - self._first_layer_at, now - self._last_layer_at))
+        return True
 
 
 class KVSender(ABC):
-    """Prefill side. One connection per peer, reused across transfers."""
+    """Prefill side. One connection per peer, reused across transfers.
+
+    `transfer_records`: the most recent completed transfers, oldest first; subclasses call
+    `track(sink)` on every sink they open."""
 
     backend: ClassVar[str]
+
+    def __init__(self) -> None:
+        self.transfer_records: deque[TransferRecord] = deque(maxlen=MAX_TRANSFER_RECORDS)
+
+    def track(self, sink: SenderSink) -> SenderSink:
+        sink.on_record = self.transfer_records.append
+        return sink
 
     @abstractmethod
     def open(self, transfer_id: str, peer_address: str, layout: KVLayout,

@@ -87,6 +87,7 @@ class ChannelSink(SenderSink):
         self.nbytes = 0
         self._channel = channel
         self._lender = SinkLender(channel.export_pool)
+        self.data_path = channel.path.name
 
     def export_buffer(self, nbytes: int) -> torch.Tensor | None:
         return self._lender.lend(nbytes)
@@ -96,6 +97,7 @@ class ChannelSink(SenderSink):
         if self.done:
             lease.release()
             return
+        self.layer_handed(kv)
         self._channel.submit(self, LAYER, (layer_idx, kv, checksum), lease)
 
     def on_complete(self, first_token_id: int, logprob: TokenLogprob | None = None,

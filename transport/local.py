@@ -97,6 +97,8 @@ class LocalReceiver(TableReceiver):
 
 
 class LocalSink(SenderSink):
+    data_path = "local"
+
     def __init__(self, transfer_id: str, layout: KVLayout, start_block: int,
                  receiver: LocalReceiver) -> None:
         super().__init__(transfer_id, layout, start_block)
@@ -110,6 +112,7 @@ class LocalSink(SenderSink):
     def on_layer(self, layer_idx: int, kv: torch.Tensor, checksum: int | None = None) -> None:
         if self.done:
             return
+        self.layer_handed(kv)
         layout = self.layout
         self._receiver.submit(self, Header(
             LAYER, self.transfer_id, next(self._seq), layer_idx, layer_idx + 1, layout.dtype,
@@ -133,13 +136,14 @@ class LocalSender(KVSender):
     backend = "local"
 
     def __init__(self, config: TransportConfig) -> None:
+        super().__init__()
         self.config = config
         self._sinks: weakref.WeakSet[LocalSink] = weakref.WeakSet()
 
     def open(self, transfer_id: str, peer_address: str, layout: KVLayout,
              start_block: int = 0, timeout: float | None = None) -> SenderSink:
         receiver = _RECEIVERS.get(peer_address.removeprefix("local://"))
-        sink = LocalSink(transfer_id, layout, start_block, receiver)
+        sink = self.track(LocalSink(transfer_id, layout, start_block, receiver))
         if receiver is None:
             sink.fail(PeerGone(f"no local receiver at {peer_address}", transfer_id=transfer_id))
         self._sinks.add(sink)

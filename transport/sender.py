@@ -31,6 +31,7 @@ class ZmqSender(KVSender):
     def __init__(self, config: TransportConfig, key: bytes,
                  choose_path: Callable[[PeerAddress], SendPath] | None = None,
                  metrics: TransportMetrics | None = None) -> None:
+        super().__init__()
         self.config = config
         self.metrics = metrics or TransportMetrics()
         self.codec = WireCodec(key, config.wire_limits)
@@ -45,8 +46,8 @@ class ZmqSender(KVSender):
              start_block: int = 0, timeout: float | None = None) -> SenderSink:
         address = PeerAddress.parse(peer_address)
         channel = self._channel(address)
-        return channel.open_sink(transfer_id, layout, start_block,
-                                 timeout or self.config.transfer_timeout_s)
+        return self.track(channel.open_sink(transfer_id, layout, start_block,
+                                            timeout or self.config.transfer_timeout_s))
 
     def _channel(self, address: PeerAddress) -> PeerChannel:
         path = self._choose_path(address)

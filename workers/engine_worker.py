@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -20,7 +21,7 @@ from workers.async_engine import AsyncEngine, DeadlineExceeded, EngineDeadError
 from workers.faults import FaultState
 from workers.metrics import WorkerMetrics
 from workers.model_files import resolve_model_path
-from workers.protocol import GenerateChunk, GenerateRequest
+from workers.protocol import GenerateChunk, GenerateRequest, StepsReply, StepsRequest
 from workers.stream.server import StreamServer
 
 if TYPE_CHECKING:  # imported where the engine is built: it pulls in transformers
@@ -58,7 +59,18 @@ class EngineWorker:
 
     def stream_methods(self) -> dict:
         """What this replica serves on its worker stream (a prefill replica adds `prefill`)."""
-        return {"generate": self.generate}
+        return {"generate": self.generate, "steps": self._steps_once}
+
+    async def _steps_once(self, req: StepsRequest) -> AsyncIterator[StepsReply]:
+        """`steps` on the worker stream: one reply with the recent records."""
+        yield self.recent_records(req.since, req.limit)
+
+    def recent_records(self, since: float = 0.0, limit: int = 1000) -> StepsReply:
+        """The engine's step records and the KV sender's transfer records (a prefill
+        replica's) that started at or after `since`, the newest `limit` of each, oldest first."""
+        sender = getattr(self, "sender", None)
+        return StepsReply(self.role, _recent(self.engine.engine.step_records, since, limit),
+                          _recent(getattr(sender, "transfer_records", ()), since, limit))
 
     def _build_engine(self) -> LLMEngine:
         import torch
@@ -233,3 +245,9 @@ def _replica_identity() -> tuple[str, str]:
         return replica_id, ray.get_runtime_context().get_node_id()
     except Exception:  # noqa: BLE001 - not inside a Serve replica
         return f"local-{uuid.uuid4().hex[:8]}", f"node-{os.getpid()}-{int(time.time())}"
+
+
+def _recent(records, since: float, limit: int) -> list[dict]:
+    kept = [r for r in list(records) if r.start_time >= since]  # list(): one atomic copy of the deque
+    return [dataclasses.asdict(r) for r in kept[max(0, len(kept) - limit):]]
+

@@ -87,3 +87,20 @@ class PrefillResult:
     num_bytes: int  # KV bytes sent
     seconds: float  # prefill + transfer, on the prefill side
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with params.prompt_logprobs
+
+
+@dataclass
+class StepsRequest:
+    """Router -> any worker: its recent step and KV transfer records (`GET /admin/steps`)."""
+
+    since: float = 0.0  # time.time(); records that started before it are left out
+    limit: int = 1000  # the newest this many of each
+
+
+@dataclass
+class StepsReply:
+    """A replica's recent records, oldest first: `StepRecord`s and `TransferRecord`s as maps."""
+
+    role: str
+    steps: list[dict] = field(default_factory=list)
+    transfers: list[dict] = field(default_factory=list)

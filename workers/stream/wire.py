@@ -22,9 +22,19 @@ import time
 from typing import Any
 
 from transport.sealed import BadMac, SealedCodec, SealError, UnpackLimits
+from transport.transfer_record import TransferRecord
 from workers.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from workers.engine.sequence import TokenLogprob
-from workers.protocol import REASONS, GenerateChunk, GenerateRequest, PrefillRequest, PrefillResult
+from workers.engine.step_cost import StepRecord
+from workers.protocol import (
+    REASONS,
+    GenerateChunk,
+    GenerateRequest,
+    PrefillRequest,
+    PrefillResult,
+    StepsReply,
+    StepsRequest,
+)
 
 DOMAIN = b"pdc-worker-stream-v1\0"
 CLOCK_WINDOW_S = 60.0  # tolerated clock skew between a router and a worker, and replay horizon
@@ -110,8 +120,9 @@ class ReplayGuard:
 
 
 # ---- the calls' requests and replies as plain maps --------------------------------------
-# Two methods: "generate" (GenerateRequest -> GenerateChunk, ...) on every worker, from the
-# router; "prefill" (PrefillRequest -> one PrefillResult) on prefill workers, from decode.
+# Three methods: "generate" (GenerateRequest -> GenerateChunk, ...) on every worker, from the
+# router; "prefill" (PrefillRequest -> one PrefillResult) on prefill workers, from decode;
+# "steps" (StepsRequest -> one StepsReply) on every worker, from the router's admin API.
 
 _PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 _LOGPROB_FIELDS = ("logprobs", "prompt_logprobs")  # lists of TokenLogprob | None, on replies
@@ -187,8 +198,34 @@ def prefill_result_from_wire(raw: Any) -> PrefillResult:
     return result
 
 
-REQUESTS = {"generate": request_from_wire, "prefill": prefill_request_from_wire}
-REPLIES = {"generate": chunk_from_wire, "prefill": prefill_result_from_wire}
+def steps_request_from_wire(raw: Any) -> StepsRequest:
+    _same_fields(raw, StepsRequest)
+    _expect(raw, since=(int, float), limit=int)
+    if raw["limit"] < 0:
+        raise StreamRejected("limit must be >= 0")
+    return StepsRequest(**raw)
+
+
+def steps_reply_from_wire(raw: Any) -> StepsReply:
+    _same_fields(raw, StepsReply)
+    if not isinstance(raw["role"], str):
+        raise StreamRejected("role must be a string")
+    return StepsReply(raw["role"], _records(raw["steps"], StepRecord), _records(raw["transfers"], TransferRecord))
+
+
+def _records(raw: Any, kind: type) -> list[dict]:
+    """A list of `kind`'s fields as maps: numbers, and strings where `kind` has them."""
+    if not isinstance(raw, list):
+        raise StreamRejected(f"{kind.__name__} records must be a list")
+    for record in raw:
+        _same_fields(record, kind)
+        if not all(type(v) in (int, float, str) for v in record.values()):
+            raise StreamRejected(f"{kind.__name__} fields must be numbers or strings")
+    return raw
+
+
+REQUESTS = {"generate": request_from_wire, "prefill": prefill_request_from_wire, "steps": steps_request_from_wire}
+REPLIES = {"generate": chunk_from_wire, "prefill": prefill_result_from_wire, "steps": steps_reply_from_wire}
 
 
 def _same_fields(raw: Any, kind: type) -> None:
