@@ -597,6 +597,35 @@ def test_unsupported_schemas_and_streamed_best_of_are_400s(oai):
                                                 stream=True), "best_of")
 
 
+def test_admin_steps_lists_every_replicas_step_and_transfer_records(client):
+    assert_openai_error(client.get("/admin/steps"), 401)
+    assert_openai_error(client.get("/admin/steps", headers={"authorization": "Bearer nope"}), 401)
+    auth = {"authorization": f"Bearer {TOKEN}"}
+    assert_openai_error(client.get("/admin/steps?limit=-1", headers=auth), 400)
+    started = time.time()
+    for mode in ("local", "disagg"):
+        assert complete(client, "records of steps and transfers " * 3, headers={"x-pd-mode": mode}).status_code == 200
+    deadline = time.monotonic() + 10  # a router replica's view may lag the registry by a poll
+    while True:
+        replicas = client.get(f"/admin/steps?since={started}", headers=auth).json()["replicas"]
+        by_role = {role: [r for r in replicas.values() if r["role"] == role] for role in ("prefill", "decode")}
+        if all(any(r["steps"] for r in by_role[role]) for role in by_role) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert all("error" not in r for r in replicas.values()), replicas
+    assert all(any(r["steps"] for r in by_role[role]) for role in by_role), replicas
+    step = by_role["decode"][0]["steps"][-1]
+    assert {"start_time", "step_time_s", "num_prefill_tokens", "num_decode_seqs", "num_prefill_seqs",
+            "prefill_attention_work"} <= step.keys() and step["start_time"] >= started
+    [transfer] = [t for r in by_role["prefill"] for t in r["transfers"]]  # the one disaggregated request
+    assert transfer["num_bytes"] > 0 and 0 < transfer["tail_seconds"] <= transfer["seconds"]
+    assert not any(r["transfers"] for r in by_role["decode"])
+    newest = client.get("/admin/steps?limit=1", headers=auth).json()["replicas"]
+    assert all(len(r["steps"]) <= 1 and len(r["transfers"]) <= 1 for r in newest.values())
+    future = client.get(f"/admin/steps?since={time.time() + 3600}", headers=auth).json()["replicas"]
+    assert future.keys() == replicas.keys() and not any(r["steps"] or r["transfers"] for r in future.values())
+
+
 @pytest.fixture()
 def unplaced_app(ray_cluster, tiny_model_dir, tmp_path, client):
     """Deploys an app whose chosen pools can never be placed; yields (client, deploy)."""
