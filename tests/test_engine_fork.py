@@ -163,14 +163,18 @@ def test_async_engine_streams_each_sequence_by_index_until_all_end(make_engine, 
         aengine.shutdown()
 
 
-@pytest.mark.parametrize("backend", ["local", "zmq"])
-def test_disaggregated_n3_samples_first_tokens_on_prefill_and_forks_on_decode(make_engine, backend):
-    """The prefill engine samples all three first tokens (seeds seed + i) and sends them
-    with the last layer; the decode engine forks the request: the same three sequences as
-    a local run, the prompt computed once (on the prefill engine)."""
-    prompt = random_prompts([37], seed=11)[0]
-    params = sampled(n=3, max_tokens=8, logprobs=2)
-    local = make_engine().generate([prompt], params)
+@dataclasses.dataclass
+class Handover:
+    prefill_outputs: list
+    first: object  # the receiver's FirstToken
+    final: list  # the decode engine's finished outputs, in order
+    prefill: object
+    decode: object
+
+
+def disaggregate(make_engine, backend: str, prompt: list[int], params: SamplingParams) -> Handover:
+    """One request prefilled on one engine (which samples its first tokens) and decoded on
+    another after a real transfer; the decode engine's integrity is checked every step."""
     prefill, decode = make_engine(), make_engine()
     receiver = make_receiver(config(backend), decode, KEY)
     sender = make_sender(config(backend), KEY)
@@ -179,26 +183,40 @@ def test_disaggregated_n3_samples_first_tokens_on_prefill_and_forks_on_decode(ma
         receiver.expect("t", res, timeout=60)
         sink = sender.open("t", receiver.address, prefill.layout, start_block=res.num_cached_blocks)
         prefill.add_request("p", prompt, dataclasses.replace(params, max_tokens=1), kv_sink=sink, seed=SEED)
-        prefill_outs = []
+        prefill_outputs = []
         while prefill.has_unfinished_requests():
-            prefill_outs += prefill.step()
-        assert [o.index for o in prefill_outs] == [0]  # the prefill engine does not fork
+            prefill_outputs += prefill.step()
         first = receiver.wait("t", 60)
         sink.wait(60)
-        assert [first.token_id, *(s.token_id for s in first.siblings)] == [o.token_ids[0] for o in local]
-        assert [s.logprob.top for s in first.siblings] == [first.logprob.top] * 2
         decode.commit_kv(res, "d", params, first.token_id, seed=SEED, first_logprob=first.logprob,
                          siblings=first.siblings)
-        final = {}
+        final = []
         while decode.has_unfinished_requests():
-            final.update((o.index, o) for o in decode.step() if o.finished)
+            final += [o for o in decode.step() if o.finished]
             decode.check_integrity()
     finally:
         sender.close()
         receiver.close()
+    return Handover(prefill_outputs, first, final, prefill, decode)
+
+
+@pytest.mark.parametrize("backend", ["local", "zmq"])
+def test_disaggregated_n3_samples_first_tokens_on_prefill_and_forks_on_decode(make_engine, backend):
+    """The prefill engine samples all three first tokens (seeds seed + i) and sends them
+    with the last layer; the decode engine forks the request: the same three sequences as
+    a local run, the prompt computed once (on the prefill engine)."""
+    prompt = random_prompts([37], seed=11)[0]
+    params = sampled(n=3, max_tokens=8, logprobs=2)
+    local = make_engine().generate([prompt], params)
+    run = disaggregate(make_engine, backend, prompt, params)
+    assert [o.index for o in run.prefill_outputs] == [0]  # the prefill engine does not fork
+    first = run.first
+    assert [first.token_id, *(s.token_id for s in first.siblings)] == [o.token_ids[0] for o in local]
+    assert [s.logprob.top for s in first.siblings] == [first.logprob.top] * 2
+    final = {o.index: o for o in run.final}
     assert [final[i].token_ids for i in range(3)] == [o.token_ids for o in local]
-    assert prefill.stats()["num_prompt_tokens_computed"] == len(prompt)
-    assert decode.stats()["num_prompt_tokens_computed"] == 0
+    assert run.prefill.stats()["num_prompt_tokens_computed"] == len(prompt)
+    assert run.decode.stats()["num_prompt_tokens_computed"] == 0
 
 
 @pytest.mark.parametrize("backend", ["local", "zmq"])
@@ -209,31 +227,10 @@ def test_disaggregated_best_of_ranks_with_first_token_scores_from_prefill(make_e
     params = sampled(n=1, best_of=3, max_tokens=6)
     prompt = _prompt_where_the_first_token_decides(make_engine(), params)
     local = make_engine().generate([prompt], params)
-    prefill, decode = make_engine(), make_engine()
-    receiver = make_receiver(config(backend), decode, KEY)
-    sender = make_sender(config(backend), KEY)
-    try:
-        res = decode.reserve_kv("t", prompt)
-        receiver.expect("t", res, timeout=60)
-        sink = sender.open("t", receiver.address, prefill.layout, start_block=res.num_cached_blocks)
-        prefill.add_request("p", prompt, dataclasses.replace(params, max_tokens=1), kv_sink=sink, seed=SEED)
-        prefill_outs = []
-        while prefill.has_unfinished_requests():
-            prefill_outs += prefill.step()
-        assert [o.finished for o in prefill_outs] == [True]
-        first = receiver.wait("t", 60)
-        sink.wait(60)
-        assert first.logprob is not None and all(s.logprob is not None for s in first.siblings)
-        decode.commit_kv(res, "d", params, first.token_id, seed=SEED, first_logprob=first.logprob,
-                         siblings=first.siblings)
-        final = []
-        while decode.has_unfinished_requests():
-            final += [o for o in decode.step() if o.finished]
-            decode.check_integrity()
-    finally:
-        sender.close()
-        receiver.close()
-    assert [(o.index, o.token_ids, o.logprobs) for o in final] == [(0, local[0].token_ids, None)]
+    run = disaggregate(make_engine, backend, prompt, params)
+    assert [o.finished for o in run.prefill_outputs] == [True]
+    assert run.first.logprob is not None and all(s.logprob is not None for s in run.first.siblings)
+    assert [(o.index, o.token_ids, o.logprobs) for o in run.final] == [(0, local[0].token_ids, None)]
 
 
 def _prompt_where_the_first_token_decides(engine, params: SamplingParams) -> list[int]:
