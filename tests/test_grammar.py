@@ -99,6 +99,19 @@ def test_greedy_choice_is_identical_across_routes(make_engine):
     assert [o.token_ids for o in run_disaggregated(make_engine, params)] == [local[0].token_ids]
 
 
+def test_forked_sequences_keep_the_grammar_and_their_seeds(make_engine):
+    """n = 3 under a grammar: every sequence's first token is sampled under the mask its
+    parent's was, so each is a valid choice and equals the n = 1 run with seed + i."""
+    guided = GuidedDecoding("choice", json.dumps(["alpha", "beta", "gamma", "delta"]))
+    engine = make_engine()
+    forked = engine.generate([PROMPT], SamplingParams(max_tokens=16, temperature=1.0, seed=7, n=3, guided=guided))
+    singles = [engine.generate([PROMPT], SamplingParams(max_tokens=16, temperature=1.0, seed=7 + i,
+                                                        guided=guided))[0] for i in range(3)]
+    assert [o.token_ids for o in forked] == [o.token_ids for o in singles]
+    assert all(o.finish_reason == "stop" for o in forked)
+    assert set(texts(engine, forked)) <= {"alpha", "beta", "gamma", "delta"}
+
+
 def test_max_tokens_cuts_a_guided_output_with_length(make_engine):
     out = make_engine().generate([PROMPT], [SamplingParams(max_tokens=5, temperature=0.0, guided=JSON_SCHEMA)])[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 5

@@ -176,7 +176,7 @@ class LLMEngine:
                 for s in batch:
                     s.seq.num_computed_tokens = s.end
                     self.block_manager.cache_full_blocks(s.seq)
-                forked = self._fork(sampling, logits, sampled)  # before a parent that ends frees its blocks
+                forked = self._fork(sampling, logits, sampled, allowed)  # before a parent that ends frees its blocks
                 outputs = [self._append_token(s.seq, t, lp)
                            for s, t, lp in zip(sampling, sampled.token_ids, sampled.logprobs, strict=True)]
                 add_scores([s.seq for s in sampling], logits)
@@ -184,8 +184,8 @@ class LLMEngine:
             self._record_step(batch, start_time, time.perf_counter() - t0)
             return self.best_of.collect(outputs)
 
-    def _fork(self, sampling: list[ScheduledSeq], logits: torch.Tensor,
-              sampled: SamplerOutput) -> list[RequestOutput]:
+    def _fork(self, sampling: list[ScheduledSeq], logits: torch.Tensor, sampled: SamplerOutput,
+              allowed: list[torch.Tensor | None]) -> list[RequestOutput]:
         """Requests with `num_sequences > 1` whose first token is sampled this step: the
         first tokens of their sequences 1.. are sampled from the same logits (seeds
         seed + i), and the request forks into them here or, when its KV goes to another
@@ -195,7 +195,7 @@ class LLMEngine:
             parent = s.seq
             if parent.params.num_sequences == 1 or parent.index or parent.output_token_ids:
                 continue
-            siblings = self._sample_siblings(parent, logits[row])
+            siblings = self._sample_siblings(parent, logits[row], allowed[row])
             if parent.kv_sink is not None:
                 first, siblings = _scored(parent, logits[row], sampled.token_ids[row], sampled.logprobs[row], siblings)
                 parent.kv_sink.on_complete(sampled.token_ids[row], first, siblings)
@@ -206,10 +206,12 @@ class LLMEngine:
             add_scores(children, logits[row].expand(len(children), -1))
         return outputs
 
-    def _sample_siblings(self, parent: Sequence, logits: torch.Tensor) -> tuple[FirstToken, ...]:
+    def _sample_siblings(self, parent: Sequence, logits: torch.Tensor,
+                         allowed: torch.Tensor | None) -> tuple[FirstToken, ...]:
         """First tokens of `parent`'s sequences 1.. from its first token's logits `[vocab]`:
-        `parent`'s sampling row (penalties, grammar mask) with seed `parent.seed + i`."""
-        row = self._sampling_row(parent, parent.matcher.allowed() if parent.matcher else None)
+        `parent`'s sampling row (penalties, and `allowed`, the grammar mask its own token was
+        sampled under) with seed `parent.seed + i`."""
+        row = self._sampling_row(parent, allowed)
         rows = [dataclasses.replace(row, seed=parent.seed + i) for i in range(1, parent.params.num_sequences)]
         sampled = self.sampler.sample(logits.expand(len(rows), -1), rows)
         return tuple(FirstToken(t, lp) for t, lp in zip(sampled.token_ids, sampled.logprobs, strict=True))

@@ -81,11 +81,6 @@ class SamplingParams:
         """How many sequences the engine runs for this request: `best_of`, else `n`."""
         return self.best_of or self.n
 
-    @property
-    def has_penalties(self) -> bool:
-        return (self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
-                or self.repetition_penalty != 1.0 or bool(self.logit_bias))
-
     def validate(self) -> None:
         """Raise ValueError naming the field, so callers can answer with a clear 400."""
         _check(self.max_tokens >= 1, "max_tokens", "must be at least 1")
