@@ -89,6 +89,23 @@ def step_features(record: StepRecord) -> StepFeatures:
     return StepFeatures(float(prefill_tokens), float(work), float(record.num_decode_seqs), decode_context)
 
 
+def prefill_work(start: int, end: int, chunk: int) -> tuple[int, int, int]:
+    """(chunks, tokens, attention work) of computing positions [start, end) in chunks of
+    at most `chunk` tokens, the work counted as `LLMEngine._record_step` counts
+    `prefill_attention_work` (each chunk's tokens x its end). Closed form: the router
+    asks it per request and replica."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be at least 1, got {chunk}")
+    num_tokens = max(0, end - start)
+    if num_tokens == 0:
+        return 0, 0, 0
+    num_full = (num_tokens - 1) // chunk  # every chunk but the last is full
+    last_len = num_tokens - num_full * chunk
+    # full chunk i (1..num_full) ends at start + i * chunk
+    full_work = chunk * (num_full * start + chunk * num_full * (num_full + 1) // 2)
+    return num_full + 1, num_tokens, full_work + last_len * end
+
+
 def has_work(record: StepRecord) -> bool:
     return record.step_time_s > 0 and (record.num_prefill_tokens > 0 or record.num_decode_seqs > 0)
 
