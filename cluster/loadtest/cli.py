@@ -46,7 +46,7 @@ def loadtest_cmd(
     api_key: str | None = typer.Option(None, help="Sent as a Bearer token; never recorded."),
     slo: str | None = typer.Option(None, help="ttft_ms=X,tpot_ms=Y,e2e_ms=Z (any subset) for goodput."),
     clients: int = typer.Option(1, help="Spread the load over K Ray actors."),
-    mode: str | None = typer.Option(None, help="auto, disagg or local: sent as x-pd-mode."),
+    mode: str | None = typer.Option(None, help="auto, threshold, disagg or local: sent as x-pd-mode."),
     header: list[str] = typer.Option([], help="Extra request header K:V (repeatable)."),
     stream: bool = typer.Option(True, help="Stream responses (TTFT needs it; without, TTFT = E2E)."),
     prompt_format: str = typer.Option("auto", help="auto (probe the server), ids or text."),

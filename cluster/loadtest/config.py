@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ENDPOINTS = ("completions", "chat")
-MODES = ("auto", "disagg", "local")
+MODES = ("auto", "threshold", "disagg", "local")  # as the router's x-pd-mode accepts
 PROMPT_FORMATS = ("auto", "ids", "text")
 DEFAULT_NUM_REQUESTS = 100
 
