@@ -185,6 +185,7 @@ class SenderSink(ABC):
         self.result: Future[None] = Future()
         # a completed transfer's record goes here (set by the sender that opened the sink)
         self.on_record: Callable[[TransferRecord], None] | None = None
+        self.peer = ""  # the receiver's address, for the record (set by the sender with on_record)
         self._num_bytes = self._num_layers = 0
         self._start_time = self._first_layer_at = self._last_layer_at = 0.0
 
@@ -249,7 +250,7 @@ class SenderSink(ABC):
             now = time.perf_counter()
             self.on_record(TransferRecord(
                 self.transfer_id, self._num_bytes, self._num_layers, self.data_path, self._start_time,
-                now - self._first_layer_at, now - self._last_layer_at))
+                now - self._first_layer_at, now - self._last_layer_at, self.peer))
         return True
 
 
@@ -257,15 +258,15 @@ class KVSender(ABC):
     """Prefill side. One connection per peer, reused across transfers.
 
     `transfer_records`: the most recent completed transfers, oldest first; subclasses call
-    `track(sink)` on every sink they open."""
+    `track(sink, peer_address)` on every sink they open."""
 
     backend: ClassVar[str]
 
     def __init__(self) -> None:
         self.transfer_records: deque[TransferRecord] = deque(maxlen=MAX_TRANSFER_RECORDS)
 
-    def track(self, sink: SenderSink) -> SenderSink:
-        sink.on_record = self.transfer_records.append
+    def track(self, sink: SenderSink, peer_address: str) -> SenderSink:
+        sink.on_record, sink.peer = self.transfer_records.append, peer_address
         return sink
 
     @abstractmethod

@@ -143,7 +143,7 @@ class LocalSender(KVSender):
     def open(self, transfer_id: str, peer_address: str, layout: KVLayout,
              start_block: int = 0, timeout: float | None = None) -> SenderSink:
         receiver = _RECEIVERS.get(peer_address.removeprefix("local://"))
-        sink = self.track(LocalSink(transfer_id, layout, start_block, receiver))
+        sink = self.track(LocalSink(transfer_id, layout, start_block, receiver), peer_address)
         if receiver is None:
             sink.fail(PeerGone(f"no local receiver at {peer_address}", transfer_id=transfer_id))
         self._sinks.add(sink)

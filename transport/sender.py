@@ -47,7 +47,7 @@ class ZmqSender(KVSender):
         address = PeerAddress.parse(peer_address)
         channel = self._channel(address)
         return self.track(channel.open_sink(transfer_id, layout, start_block,
-                                            timeout or self.config.transfer_timeout_s))
+                                            timeout or self.config.transfer_timeout_s), peer_address)
 
     def _channel(self, address: PeerAddress) -> PeerChannel:
         path = self._choose_path(address)

@@ -24,3 +24,7 @@ class TransferRecord:
     # from the last layer handed (the prefill engine is done with the prompt) to the
     # acknowledgement: what the transfer adds to a request's time to first token
     tail_seconds: float
+    # the receiver's advertised address the layers went to (`KVSender.open`'s
+    # `peer_address`): which decode replica, for a cost model per (prefill, decode) pair.
+    # Defaulted only so records written before it existed still build.
+    peer: str = ""
