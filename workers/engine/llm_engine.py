@@ -14,6 +14,7 @@ import time
 from collections import deque
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 from transformers import AutoTokenizer
@@ -22,6 +23,7 @@ from workers.engine.attention import KVExport
 from workers.engine.best_of import BestOf, add_scores
 from workers.engine.best_of import holds as holds_best_of
 from workers.engine.block_manager import BlockManager
+from workers.engine.cost_model import StepCostFit
 from workers.engine.grammar import GrammarCompiler
 from workers.engine.kv_cache import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_MEMORY_FRACTION
 from workers.engine.kv_types import (
@@ -68,7 +70,8 @@ class LLMEngine:
         self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
         self.detokenize = detokenize
         self.step_records: deque[StepRecord] = deque(maxlen=max_step_records)
-        self.step_cost = StepCostModel()
+        self.step_cost = StepCostModel()  # sizes `yield_tokens`
+        self.cost_fit = StepCostFit()  # the linear step model the router predicts with (`stats`)
         self.num_background_requests = 0  # added with `yield_to_decode` (spilled prompts)
         self.num_prompt_tokens_computed = 0  # prompt positions run through the model (recomputes too)
         self.requests: dict[str, Sequence] = {}  # unfinished, by `Sequence.seq_id`
@@ -305,6 +308,7 @@ class LLMEngine:
         self.step_records.append(record)
         if batch:
             self.step_cost.observe(record)
+            self.cost_fit.observe(record)
             self.scheduler.yield_tokens = self.step_cost.yield_tokens(DEFAULT_YIELD_TOKENS,
                                                                       self.scheduler.max_num_batched_tokens)
 
@@ -414,8 +418,23 @@ class LLMEngine:
 
     # -- introspection -------------------------------------------------------------------------
 
-    def stats(self) -> dict[str, int]:
-        """Counters; prefix_cache_queries and prefix_cache_hits are both in TOKENS."""
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V for one token over all layers, in the cache's dtype."""
+        return self.layout.layer_nbytes(1) * self.layout.num_layers // self.layout.block_size
+
+    def stats(self) -> dict[str, Any]:
+        """Counters, the queue (`Scheduler.queue_stats`) and the fitted step model, all
+        plain ints, floats and dicts (they travel in heartbeats); prefix_cache_queries and
+        prefix_cache_hits are both in TOKENS."""
+        with self._lock:
+            return self._counters() | self.scheduler.queue_stats() | {
+                "step_model": self.cost_fit.coefficients.to_dict(),
+                "kv_bytes_per_token": self.kv_bytes_per_token,
+                "max_num_batched_tokens": self.scheduler.max_num_batched_tokens,
+            }
+
+    def _counters(self) -> dict[str, int]:
         return {
             "prefix_cache_queries": self.block_manager.num_queried_tokens,
             "prefix_cache_hits": self.block_manager.num_hit_tokens,

@@ -46,6 +46,9 @@ class SamplingParams:
     # sorts after every other request and, in a step that decodes, computes only the
     # scheduler's `yield_tokens`, so the streams beside it keep their pace.
     yield_to_decode: bool = False
+    # A background prefill's chunk in a step that decodes, in prompt tokens, instead of the
+    # engine-wide `yield_tokens`: the router sizes it to keep the streams inside their SLO.
+    prefill_chunk_tokens: int | None = None
     # Log-probabilities, from the model's raw logits (before bias, penalties, a grammar mask
     # and temperature): None = none; K = the chosen token's plus its K most likely
     # alternatives, for each generated token (`logprobs`) or each prompt token (`prompt_logprobs`).
@@ -100,6 +103,9 @@ class SamplingParams:
         _check(self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0")
         _check(all(t >= 0 and -100.0 <= b <= 100.0 for t, b in self.logit_bias),
                "logit_bias", "must map token ids >= 0 to biases in [-100, 100]")
+        _check(self.prefill_chunk_tokens is None
+               or (type(self.prefill_chunk_tokens) is int and self.prefill_chunk_tokens >= 1),
+               "prefill_chunk_tokens", "must be an integer >= 1 when set")
         _check(self.n >= 1, "n", "must be at least 1")
         _check(self.best_of is None or self.best_of >= self.n, "best_of", "must be >= n")
 

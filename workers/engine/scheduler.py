@@ -9,8 +9,9 @@ freed and it is recomputed later, its prefix most likely served by the prefix ca
 
 A background prefill (`SamplingParams.yield_to_decode`) sorts last and, in a step that
 decodes, takes at most `yield_tokens` (which the engine sets from its step records so
-that the chunk costs about half a decode step, `step_cost`): the streams beside it slow
-down by about 1.5x instead of stalling for a whole chunk, and it still advances every step.
+that the chunk costs about half a decode step, `step_cost`), or its own
+`prefill_chunk_tokens` when the router chose one: the streams beside it slow down by
+about 1.5x instead of stalling for a whole chunk, and it still advances every step.
 
 A request of n sequences (n / best_of) is admitted only with n of `max_num_seqs` free: it
 forks at its first token, and its forks must not wait behind requests that came later.
@@ -21,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from workers.engine.block_manager import BlockManager
+from workers.engine.cost_model import prefill_work
 from workers.engine.sequence import Sequence, SequenceStatus
 
 
@@ -79,10 +81,11 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, budget: int, decoding: bool) -> int:
         """Tokens `seq` computes this step: what is left of it, within the budget; a
-        background prefill only `yield_tokens` of it when the step decodes streams."""
+        background prefill only its `prefill_chunk_tokens` (else `yield_tokens`) of it
+        when the step decodes streams."""
         num_new = min(seq.num_uncomputed_tokens, budget)
         if decoding and _is_background(seq):
-            num_new = min(num_new, max(1, self.yield_tokens))
+            num_new = min(num_new, max(1, seq.params.prefill_chunk_tokens or self.yield_tokens))
         return num_new
 
     def _schedule_running(self, budget: int) -> tuple[list[ScheduledSeq], bool]:
@@ -182,6 +185,25 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+    def queue_stats(self) -> dict[str, int]:
+        """The work queued here, for the router to predict this replica's steps with:
+        what the prefilling sequences (running or waiting) must still compute before they
+        decode, in tokens and in attention work at full chunks, and what the decoding
+        ones attend to and may still generate."""
+        seqs = self.running + self.waiting
+        prefilling = [s for s in seqs if not s.is_decoding]
+        decoding = [s for s in seqs if s.is_decoding]
+        return {
+            "prompt_tokens_waiting": sum(s.num_uncomputed_tokens for s in prefilling),
+            "prompt_attention_waiting": sum(
+                prefill_work(s.num_computed_tokens, s.num_tokens, self.max_num_batched_tokens)[2]
+                for s in prefilling),
+            "num_decoding": len(decoding),
+            "decode_context_tokens": sum(s.num_tokens for s in decoding),
+            "decode_tokens_remaining": sum(max(0, s.params.max_tokens - len(s.output_token_ids))
+                                           for s in decoding),
+        }
 
     def held_block_tables(self) -> list[list[int]]:
         return [s.block_ids for s in self.running + self.waiting]
