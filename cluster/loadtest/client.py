@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -61,6 +62,8 @@ class RequestRecord:
     status: int | None = None
     route: str | None = None
     reason: str | None = None
+    predicted_ttft_s: float | None = None  # the router's x-pd-predicted-*-ms for the route taken
+    predicted_tpot_s: float | None = None
     error_kind: str | None = None
     error: str | None = None
     client_id: int = 0
@@ -176,6 +179,8 @@ async def _exchange(http, target: Target, headers: dict, body: dict, record: Req
         record.status = resp.status_code
         record.route = resp.headers.get("x-pd-route")
         record.reason = resp.headers.get("x-pd-reason")
+        record.predicted_ttft_s = _header_ms_as_s(resp.headers, "x-pd-predicted-ttft-ms")
+        record.predicted_tpot_s = _header_ms_as_s(resp.headers, "x-pd-predicted-tpot-ms")
         if resp.status_code != 200:
             text = (await resp.aread()).decode("utf-8", "replace")
             _fail(record, f"http_{resp.status_code}", _error_message(text))
@@ -220,6 +225,16 @@ def _take_payload(payload: dict, record: RequestRecord, timer: _Timer, now: floa
     if usage:
         record.prompt_tokens = usage.get("prompt_tokens")
         record.completion_tokens = usage.get("completion_tokens")
+
+
+def _header_ms_as_s(headers: httpx.Headers, name: str) -> float | None:
+    """A decimal-milliseconds header in seconds; None when absent, unparseable or not finite
+    (an older server, an error answer)."""
+    try:
+        value = float(headers.get(name, ""))
+    except ValueError:
+        return None
+    return value / 1000.0 if math.isfinite(value) else None
 
 
 def _error_message(text: str) -> str:
