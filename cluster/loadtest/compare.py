@@ -25,6 +25,10 @@ METRICS: tuple[tuple[str, tuple[str, ...], bool], ...] = (
     ("routes disagg", ("routes", "disagg"), False),
     ("routes local", ("routes", "local"), False),
 )
+# Rows kept only where some run has a value (servers that send x-pd-predicted-*-ms).
+PREDICTION_METRICS: tuple[tuple[str, tuple[str, ...], bool], ...] = tuple(
+    (f"{figure} prediction MAPE {route}", ("prediction_error", route, f"{figure}_mape"), True)
+    for route in ("local", "disagg") for figure in ("ttft", "tpot"))
 
 
 def _get(data: dict, path: tuple[str, ...]):
@@ -33,6 +37,14 @@ def _get(data: dict, path: tuple[str, ...]):
             return None
         data = data.get(key)
     return data
+
+
+def _row(metric: tuple[str, tuple[str, ...], bool], data: Sequence[dict]) -> dict:
+    label, path, lower_better = metric
+    values = [_get(d, path) for d in data]
+    first = values[0]
+    ratios = [None if v is None or not first else round(v / first, 4) for v in values]
+    return {"metric": label, "values": values, "ratios": ratios, "lower_is_better": lower_better}
 
 
 def run_names(dirs: Sequence[Path], summaries: Sequence[Summary]) -> list[str]:
@@ -58,12 +70,10 @@ def compare(dirs: Sequence[str | Path], out: str | Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     summaries = [read_summary(d) for d in dirs]
     names = run_names(dirs, summaries)
-    rows = []
-    for label, path, lower_better in METRICS:
-        values = [_get(s.to_dict(), path) for s in summaries]
-        first = values[0]
-        ratios = [None if v is None or not first else round(v / first, 4) for v in values]
-        rows.append({"metric": label, "values": values, "ratios": ratios, "lower_is_better": lower_better})
+    data = [s.to_dict() for s in summaries]
+    rows = [_row(metric, data) for metric in METRICS]
+    rows += [row for row in (_row(metric, data) for metric in PREDICTION_METRICS)
+             if any(v is not None for v in row["values"])]
     result = {"runs": names, "dirs": [str(d) for d in dirs], "rows": rows}
     (out / "compare.json").write_text(json.dumps(result, indent=2) + "\n")
     write_csv(out / "compare.csv", [{"metric": r["metric"], **dict(zip(names, r["values"], strict=False)),

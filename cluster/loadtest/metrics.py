@@ -1,5 +1,6 @@
 """From request records to the INTERFACES.md summary: latency percentiles, throughput,
-goodput (DistServe: requests per second that meet every SLO), errors and routes."""
+goodput (DistServe: requests per second that meet every SLO), errors, routes and the
+router's prediction error per route."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ from dataclasses import asdict, dataclass, field
 
 from cluster.loadtest.client import RequestRecord
 from cluster.loadtest.config import SLO
+from cluster.loadtest.predictions import prediction_error
 
 PERCENTILES = (50, 90, 95, 99)
 SUMMARY_KEYS = ("requests", "duration_s", "rate", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms",
-                "throughput", "goodput", "routes", "errors", "env")
+                "throughput", "goodput", "routes", "errors", "prediction_error", "env")
 
 
 @dataclass
@@ -31,6 +33,7 @@ class Summary:
     goodput: dict
     routes: dict
     errors: dict
+    prediction_error: dict = field(default_factory=dict)  # absent from runs before it existed
     env: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -38,7 +41,7 @@ class Summary:
 
     @classmethod
     def from_dict(cls, data: dict) -> Summary:
-        return cls(**{k: data[k] for k in SUMMARY_KEYS})
+        return cls(**{k: data[k] for k in SUMMARY_KEYS if k in data})
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -114,6 +117,8 @@ def summarize(records: Sequence[RequestRecord], slo: SLO, target_rate: float | N
         },
         routes=dict(routes),
         errors=dict(Counter(r.error_kind for r in records if not r.ok)),
+        # Without streaming the client's TTFT is its E2E and its TPOT 0: nothing to compare.
+        prediction_error=prediction_error(records) if env.get("stream", True) else {},
         env=env,
     )
 

@@ -135,11 +135,36 @@ def summary_lines(summary: Summary) -> list[str]:
     return lines
 
 
+def prediction_table(summary: Summary):
+    """Per route, the router's prediction error (see predictions.py); None without predictions."""
+    from rich.table import Table
+
+    if not summary.prediction_error:
+        return None
+    table = Table(title="router predictions (medians; MAPE |error| / measured, bias measured / predicted)",
+                  title_justify="left")
+    table.add_column("route")
+    for figure in ("TTFT", "TPOT"):
+        for label in ("MAPE", "bias", "n"):
+            table.add_column(f"{figure} {label}", justify="right")
+    for route, block in summary.prediction_error.items():
+        cells = []
+        for figure in ("ttft", "tpot"):
+            mape = block.get(f"{figure}_mape")
+            cells += ["-"] * 3 if mape is None else [
+                f"{100 * mape:.1f}%", f"×{block[f'{figure}_bias']:.2f}", str(block[f"{figure}_samples"])]
+        table.add_row(route, *cells)
+    return table
+
+
 def print_summary(summary: Summary, title: str = "load test", console=None) -> None:
     from rich.console import Console
 
     console = console or Console()
     console.print(summary_table(summary, title))
+    predictions = prediction_table(summary)
+    if predictions is not None:
+        console.print(predictions)
     for line in summary_lines(summary):
         console.print(line, highlight=False)
 
