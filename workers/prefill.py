@@ -15,6 +15,7 @@ from ray import serve
 from workers.engine.kv_types import KVSink
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequence import TokenLogprob
+from workers.engine.transfer_cost import TransferTails
 from workers.engine_worker import EngineWorker
 from workers.faults import wrap_sender
 from workers.kv_transport import make_sender
@@ -29,6 +30,7 @@ class PrefillWorker(EngineWorker):
     async def __init__(self, config, control_plane=None, transport_key: str | None = None) -> None:
         await super().__init__(config, control_plane, transport_key)
         self.sender = wrap_sender(make_sender(self.config, transport_key), self.faults)  # as is unless faults.enabled
+        self.transfer_tails = TransferTails(self.replica_id)  # learns from the sender's records in stats()
         self.start_heartbeat()
 
     async def stats(self) -> dict:
@@ -39,6 +41,8 @@ class PrefillWorker(EngineWorker):
             stats.update(export_pool_bytes=p["bytes_owned"], export_buffers_reused_total=p["num_reused"],
                          export_buffers_allocated_total=p["num_allocated"],
                          export_buffers_fallback_total=p["num_fallbacks"])
+        self.transfer_tails.learn(getattr(self.sender, "transfer_records", ()))
+        stats["transfer_model"] = self.transfer_tails.to_dict()  # per decode peer address, "*" pooled
         return stats
 
     def stream_methods(self) -> dict:

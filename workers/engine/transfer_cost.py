@@ -5,12 +5,14 @@
 Fitted like the step model (`cost_model`): over a sliding window of (bytes, seconds)
 samples, minimising the relative error sum(((pred - s) / s)^2) with fixed_s >= 0 and
 1 / bytes_per_s >= 0. A pair never seen predicts from the pooled fit over all pairs,
-and with no samples at all from `DEFAULT_TRANSFER`.
+and with no samples at all from `DEFAULT_TRANSFER`. `TransferTails` is a prefill
+replica's: it learns from its sender's `TransferRecord`s.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -118,3 +120,46 @@ class TransferCosts:
         out = {f"{p}->{d}": fit.coefficients for (p, d), fit in self._pairs.items()}
         out["*"] = self._pooled.coefficients
         return out
+
+    def coefficients_from(self, prefill_id: str) -> dict[str, TransferCoefficients]:
+        """`prefill_id`'s pairs keyed by decode id, plus "*" for the pooled fit (all of
+        its pairs when, as on a prefill replica, every sample is from `prefill_id`)."""
+        out = {d: fit.coefficients for (p, d), fit in self._pairs.items() if p == prefill_id}
+        out["*"] = self._pooled.coefficients
+        return out
+
+
+class TransferTails:
+    """A prefill replica's transfer cost per decode peer address, fitted on each transfer's
+    exposed tail (`TransferRecord.tail_seconds`: what it adds to time to first token).
+
+    `learn` takes the sender's whole record deque and feeds only the records it has not
+    seen, so the transfer path keeps no hook and the replica learns when it reports."""
+
+    def __init__(self, prefill_id: str, window: int = WINDOW) -> None:
+        self.prefill_id = prefill_id
+        self.costs = TransferCosts(window)
+        self._last = None  # the newest record fed
+
+    def learn(self, records: Iterable) -> int:
+        """Feed the records after the last one fed; returns how many."""
+        new = records_after(records, self._last)
+        for r in new:
+            self.costs.observe(self.prefill_id, r.peer, r.num_bytes, r.tail_seconds)
+        if new:
+            self._last = new[-1]
+        return len(new)
+
+    def to_dict(self) -> dict[str, dict]:
+        """{peer address: `TransferCoefficients.to_dict()`, ..., "*": the fit over all peers}."""
+        return {peer: c.to_dict() for peer, c in self.costs.coefficients_from(self.prefill_id).items()}
+
+
+def records_after(records: Iterable, last) -> list:
+    """The records newer than `last`, all of them when `last` is None or already evicted:
+    a bounded deque that is only appended to holds them after `last`'s place."""
+    snapshot = list(records)  # one atomic copy: the sender's threads append meanwhile
+    for i in range(len(snapshot) - 1, -1, -1):
+        if snapshot[i] is last:
+            return snapshot[i + 1:]
+    return snapshot

@@ -1,0 +1,107 @@
+"""A prefill replica's KV transfer cost per decode peer: every `TransferRecord` names the
+receiver address its layers went to, and `TransferTails` fits fixed + bytes / bandwidth
+on the records' exposed tails, per peer and pooled, learning each record once."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import deque
+
+import pytest
+
+from tests.test_transport_backends import KEY, config
+from transport.factory import make_receiver, make_sender
+from transport.transfer_record import TransferRecord
+from workers.engine import LLMEngine, SamplingParams
+from workers.engine.transfer_cost import (
+    DEFAULT_TRANSFER,
+    TransferCoefficients,
+    TransferTails,
+    records_after,
+)
+from workers.engine_worker import _recent
+from workers.protocol import StepsReply
+from workers.stream.wire import CHUNK, StreamCodec, steps_reply_from_wire, to_wire
+
+PROMPT = [(5 * i + 1) % 250 for i in range(40)]
+ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+FAST, SLOW = "tcp://10.0.0.1:5000?paths=inline", "tcp://10.0.0.2:5000?paths=inline"
+
+
+@pytest.mark.parametrize("backend", ["zmq", "local"])
+def test_a_transfer_record_names_the_receiver_it_went_to(tiny_model_dir, backend):
+    prefill = LLMEngine(str(tiny_model_dir), block_size=16, num_kv_blocks=64, device="cpu")
+    decode = LLMEngine(str(tiny_model_dir), block_size=16, num_kv_blocks=64, device="cpu")
+    receiver = make_receiver(config(backend), decode, KEY)
+    sender = make_sender(config(backend), KEY)
+    try:
+        res = decode.reserve_kv("t1", PROMPT)
+        receiver.expect("t1", res, timeout=60)
+        sink = sender.open("t1", receiver.address, prefill.layout, start_block=res.num_cached_blocks)
+        prefill.add_request("t1", PROMPT, ONE_TOKEN, kv_sink=sink)
+        while prefill.has_unfinished_requests():
+            prefill.step()
+        sink.wait(30)
+        receiver.wait("t1", 30)
+        decode.cancel_kv(res)
+        [record] = list(sender.transfer_records)
+        assert record.peer == receiver.address != ""
+        assert record.num_layers == prefill.layout.num_layers and record.tail_seconds > 0
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_the_peer_travels_to_admin_steps():
+    """What `GET /admin/steps` is built from: the worker's `_recent` maps, sealed in a
+    stream CHUNK as the worker stream's server sends it, checked by the router's parser."""
+    record = TransferRecord("t1", 4096, 4, "tcp", 101.5, 0.02, 0.005, FAST)
+    codec = StreamCodec(KEY)
+    chunk = {"t": CHUNK, "id": 1, "i": 0, "c": to_wire(StepsReply("prefill", [], _recent([record], 0.0, 10)))}
+    reply = steps_reply_from_wire(codec.open(codec.seal(chunk))["c"])
+    assert [TransferRecord(**r) for r in reply.transfers] == [record]
+
+
+def synthetic_records(peer: str, fixed_s: float, bytes_per_s: float, n: int, seed: int,
+                      noise: float = 0.02) -> list[TransferRecord]:
+    rng = random.Random(seed)
+    records = []
+    for i in range(n):
+        num_bytes = rng.randint(1 << 14, 1 << 26)
+        tail = (fixed_s + num_bytes / bytes_per_s) * rng.uniform(1 - noise, 1 + noise)
+        # `seconds` (the whole transfer) is larger; the model must fit the tail only
+        records.append(TransferRecord(f"{peer}-{i}", num_bytes, 4, "tcp", 1000.0 + i, tail + 0.5, tail, peer))
+    return records
+
+
+def test_tails_recover_each_peers_fixed_cost_and_bandwidth():
+    tails = TransferTails("p0")
+    sent: deque[TransferRecord] = deque(maxlen=4096)  # as a sender keeps them
+    assert tails.to_dict() == {"*": DEFAULT_TRANSFER.to_dict()}
+    fast = synthetic_records(FAST, 0.001, 1e10, 120, seed=1)
+    slow = synthetic_records(SLOW, 0.020, 5e8, 120, seed=2)
+    for i in range(0, 120, 30):  # records arrive between reports, interleaved across peers
+        sent.extend(fast[i:i + 30] + slow[i:i + 30])
+        assert tails.learn(sent) == 60
+        assert tails.learn(sent) == 0  # nothing learned twice
+    model = json.loads(json.dumps(tails.to_dict()))  # what the heartbeat carries
+    assert set(model) == {FAST, SLOW, "*"}
+    got = {peer: TransferCoefficients.from_dict(c) for peer, c in model.items()}
+    assert got[FAST].fixed_s == pytest.approx(0.001, rel=0.1) and got[FAST].bytes_per_s == pytest.approx(1e10, rel=0.05)
+    assert got[SLOW].fixed_s == pytest.approx(0.020, rel=0.1) and got[SLOW].bytes_per_s == pytest.approx(5e8, rel=0.05)
+    assert got[FAST].num_samples == got[SLOW].num_samples == 120 and got["*"].num_samples == 240
+    size = 1 << 24
+    assert tails.costs.predict("p0", FAST, size) < tails.costs.predict("p0", "never-seen", size) \
+        < tails.costs.predict("p0", SLOW, size)
+
+
+def test_records_after_the_last_one_learned():
+    records = synthetic_records(FAST, 0.001, 1e9, 10, seed=3)
+    sent: deque[TransferRecord] = deque(records[:4], maxlen=4)
+    assert records_after(sent, None) == records[:4]
+    assert records_after(sent, records[3]) == []
+    sent.extend(records[4:6])  # records[0:2] evicted
+    assert records_after(sent, records[3]) == records[4:6]
+    sent.extend(records[6:10])  # the last one learned evicted too: every record held is new
+    assert records_after(sent, records[5]) == records[6:10]
