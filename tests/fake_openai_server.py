@@ -33,6 +33,7 @@ class FakeTiming:
     stream_error_every: int = 0  # every Nth request: an SSE error event after 2 chunks
     reject_token_ids: bool = False  # 400 for a token-id prompt, like plain OpenAI servers
     reject_extensions: bool = False  # 400 for ignore_eos / min_tokens
+    predicted_scale: float = 0.0  # x-pd-predicted-{ttft,tpot}-ms: this × the true ttft_ms, tpot_ms; 0: none
 
 
 def _prompt_len(body: dict) -> int:
@@ -97,6 +98,9 @@ def build_app(timing: FakeTiming):
         route = mode if mode in ("local", "disagg") else ("disagg" if prompt_len >= timing.disagg_min_prompt else "local")
         headers = {"x-pd-route": route, "x-pd-reason": "forced" if mode != "auto" else "short-prompt",
                    "x-request-id": request.headers.get("x-request-id", f"fake-{number}")}
+        if timing.predicted_scale:  # only on answers that succeed, as the router sends them
+            headers["x-pd-predicted-ttft-ms"] = f"{timing.predicted_scale * timing.ttft_ms:.3f}"
+            headers["x-pd-predicted-tpot-ms"] = f"{timing.predicted_scale * timing.tpot_ms:.3f}"
         fail_mid_stream = timing.stream_error_every and number % timing.stream_error_every == 0
 
         async def until(k: int) -> None:  # token k (0-based) is due at ttft + k * tpot
@@ -229,7 +233,7 @@ def main() -> None:
         if f.type in ("bool", bool):
             parser.add_argument(flag, action="store_true")
         else:
-            parser.add_argument(flag, type=float if "ms" in f.name else int, default=f.default)
+            parser.add_argument(flag, type=float if f.type in ("float", float) else int, default=f.default)
     args = vars(parser.parse_args())
     port = args.pop("port")
     serve(FakeTiming(**args), port)
