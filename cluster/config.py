@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from transport.config import TransportConfig
 from workers.faults import FaultSettings
 
-Mode = Literal["auto", "disagg", "local"]
+Mode = Literal["auto", "threshold", "disagg", "local"]
 DEFAULT_MODEL_CACHE = Path(os.environ.get("PDC_MODEL_CACHE", Path.home() / ".cache" / "pdcluster"))
 
 
@@ -136,6 +136,14 @@ class PoolConfig(_Strict):
         return options
 
 
+class SLO(_Strict):
+    """Latency objectives of one workload: a request is good (counts toward goodput) when
+    its time to first token and its time per output token both meet them."""
+
+    ttft_ms: float = Field(default=2000.0, gt=0)  # arrival at the router to the first token
+    tpot_ms: float = Field(default=200.0, gt=0)  # mean gap between output tokens after the first
+
+
 class RouterSettings(_Strict):
     num_replicas: int = Field(default=1, ge=1)
     num_cpus: float = Field(default=1.0, ge=0)
@@ -151,15 +159,22 @@ class RouterSettings(_Strict):
     # replica (workers/stream/client.py); false: through Serve handles (a few ms more per hop)
     worker_stream: bool = True
     prefix_index_blocks: int = Field(default=65536, ge=1)  # remembered block hashes per replica
+    default_slo: SLO = Field(default_factory=SLO)  # for profiles that set no `slo`
+    # `auto`: the share of requests that may re-probe a route whose measurements are stale
+    # (only where both routes are predicted to meet the SLO), and when a route counts as stale
+    explore_fraction: float = Field(default=0.02, ge=0.0, le=0.02)
+    stale_after_s: float = Field(default=20.0, gt=0)
 
 
 class WorkloadProfile(_Strict):
     """How one workload is routed; the body of `PUT /admin/workloads/NAME`."""
 
     mode: Mode = "auto"
+    slo: SLO | None = None  # None: `router.default_slo`
+    # `threshold` (and `auto` where it predicts nothing): prefill remotely at this many uncached tokens
     min_remote_prefill_tokens: int = Field(default=256, ge=0)
     max_prefill_queue: int = Field(default=4, ge=0)
-    # auto, a prompt spilled to the decode replica: above this many uncached tokens it
+    # threshold, a prompt spilled to the decode replica: above this many uncached tokens it
     # prefills in the background, yielding to the streams there (`yield_to_decode`); at
     # most this (about one engine chunk: each stream beside it stalls once) it runs at once
     max_local_prefill_tokens_while_decoding: int = Field(default=512, ge=0)

@@ -8,15 +8,22 @@ after the fork), the prompt tokens still waiting
 for their first token there (its prefill backlog), and which prompt blocks it sent
 where (`PrefixIndex`). Where a request goes is decided from this view by
 `router/placement.py`; nothing here does I/O, so a simulator can drive it directly.
+
+`load_of` combines the two for the predictions (router/replica_load.py): a replica's
+queue is what its last heartbeat reported plus the prompts this router sent it since,
+less those that got their first token since, and never less than this router's own
+backlog there; so routers that share replicas see each other's work within a heartbeat.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from router.prefix_index import PrefixIndex
+from router.replica_load import ReplicaLoad, from_stats
 
 if TYPE_CHECKING:
     from router.placement import Placement
@@ -58,11 +65,35 @@ class ClusterView:
         self.awaiting_first: Counter[str] = Counter()  # target replica, before the first token
         self.excluded: set[str] = set()  # replicas that just failed a call, until the next update
         self.index = PrefixIndex(prefix_capacity_blocks)
+        self.backlog_work: Counter[str] = Counter()  # their attention work (router/predict.py)
+        self.since: dict[str, _Since] = {}  # per replica: this router's prompts since its last heartbeat
+        self.stream_slos: dict[str, Counter[float]] = {}  # per replica: TPOT objectives of its streams
 
     def update(self, replicas: list[ReplicaInfo]) -> None:
+        old = self.replicas
         self.replicas = {r.replica_id: r for r in replicas}
+        for r in replicas:
+            if r.replica_id not in old or old[r.replica_id].last_heartbeat != r.last_heartbeat:
+                self.since[r.replica_id] = _Since()  # the new heartbeat counts what came before
+        for gone in set(self.since) - set(self.replicas):
+            del self.since[gone]
         self.excluded.clear()
         self.index.retain(self.replicas)
+
+    def load_of(self, replica: ReplicaInfo) -> ReplicaLoad:
+        """The replica's step model and queue, its heartbeat combined with this router's requests."""
+        rid = replica.replica_id
+        base = from_stats(rid, replica.role, replica.stats, replica.address)
+        since = self.since.get(rid) or _Since()
+        streams = max(base.num_streams, self.num_streams(replica))
+        per_stream = base.stream_context / base.num_streams if base.num_streams else 0.0
+        slos = self.stream_slos.get(rid)
+        return dataclasses.replace(
+            base,
+            queue_tokens=max(self.backlog[rid], base.queue_tokens + since.sent_tokens - since.done_tokens),
+            queue_work=max(self.backlog_work[rid], base.queue_work + since.sent_work - since.done_work),
+            num_streams=streams, stream_context=int(base.stream_context + (streams - base.num_streams) * per_stream),
+            num_requests=self.load(replica), stream_tpot_slo_s=min(slos) if slos else None)
 
     def stream_address(self, replica_id: str | None) -> str | None:
         """The replica's advertised worker stream (workers/stream/client.py), if any."""
@@ -93,13 +124,27 @@ class ClusterView:
             self.index.insert(replica_id, placement.hashes)  # a prefill replica caches the prompt too
         if placement.prefill_on:
             self.backlog[placement.prefill_on] += placement.prefill_tokens
+            self.backlog_work[placement.prefill_on] += placement.prefill_work
+            self._since(placement.prefill_on).sent(placement.prefill_tokens, placement.prefill_work)
         if placement.target_replica:
             self.awaiting_first[placement.target_replica] += placement.num_sequences
+            if placement.tpot_slo_s:
+                self.stream_slos.setdefault(placement.target_replica, Counter())[placement.tpot_slo_s] += 1
+
+    def _since(self, replica_id: str) -> _Since:
+        return self.since.setdefault(replica_id, _Since())
 
     def end(self, placement: Placement) -> None:
         self.first_token(placement)
         for replica_id, num_seqs in _touched(placement):
             _decrement(self.inflight, replica_id, num_seqs)
+        if placement.target_replica and placement.tpot_slo_s and not placement.ended:
+            slos = self.stream_slos.get(placement.target_replica)
+            if slos is not None:
+                _decrement(slos, placement.tpot_slo_s)
+                if not slos:
+                    del self.stream_slos[placement.target_replica]
+        placement.ended = True
 
     def prefill_done(self, placement: Placement) -> None:
         """The first token is back: a disaggregated request no longer loads its prefill
@@ -116,8 +161,29 @@ class ClusterView:
         placement.first_token = True
         if placement.prefill_on:
             _decrement(self.backlog, placement.prefill_on, placement.prefill_tokens)
+            _decrement(self.backlog_work, placement.prefill_on, placement.prefill_work)
+            self._since(placement.prefill_on).done(placement.prefill_tokens, placement.prefill_work)
         if placement.target_replica:
             _decrement(self.awaiting_first, placement.target_replica, placement.num_sequences)
+
+
+@dataclass
+class _Since:
+    """Prompt tokens (and their attention work) this router sent a replica, and those that
+    got their first token, since the replica's last heartbeat."""
+
+    sent_tokens: int = 0
+    sent_work: int = 0
+    done_tokens: int = 0
+    done_work: int = 0
+
+    def sent(self, tokens: int, work: int) -> None:
+        self.sent_tokens += tokens
+        self.sent_work += work
+
+    def done(self, tokens: int, work: int) -> None:
+        self.done_tokens += tokens
+        self.done_work += work
 
 
 def _touched(placement: Placement) -> list[tuple[str, int]]:
@@ -127,7 +193,7 @@ def _touched(placement: Placement) -> list[tuple[str, int]]:
     return [(r, n) for r, n in counted if r]
 
 
-def _decrement(counter: Counter[str], key: str, amount: int = 1) -> None:
+def _decrement(counter: Counter, key, amount: int = 1) -> None:
     counter[key] -= amount
     if counter[key] <= 0:
         del counter[key]

@@ -35,7 +35,7 @@ from ray.serve.exceptions import (
 from cluster.config import WorkloadProfile
 from router.cluster_view import ClusterView
 from router.errors import APIError, unavailable
-from router.placement import Placement, place
+from router.placement import Placement, PolicyInputs, place
 from router.policy import RequestWork
 from workers.engine.sampling_params import SamplingParams
 from workers.protocol import GenerateChunk, GenerateRequest
@@ -79,11 +79,14 @@ class RequestDraft:
     offload_to_prefill: bool  # an idle prefill replica may run a local request whole
     prefill_timeout_s: float  # the worker's remote prefill + transfer, then local fallback
     first_chunk_timeout_s: float  # no first chunk by then: a 503
+    policy: PolicyInputs = PolicyInputs()  # the objectives, learned corrections and clock it is routed by
 
     def generate_request(self, placement: Placement, prefill_address: str | None) -> GenerateRequest:
         """What the placed replica's `generate` gets; the deadline runs from now."""
         decision, deadline_s = placement.decision, self.profile.deadline_s
-        params = dataclasses.replace(self.params, yield_to_decode=True) if decision.yield_prefill else self.params
+        params = self.params
+        if decision.yield_prefill:
+            params = dataclasses.replace(params, yield_to_decode=True, prefill_chunk_tokens=decision.chunk_tokens)
         return GenerateRequest(
             request_id=self.request_id, prompt_token_ids=self.prompt_ids, seed=self.seed, params=params,
             route=decision.route, reason=decision.reason, workload=self.workload,
@@ -166,7 +169,7 @@ async def start(callers: Callers, view: ClusterView, draft: RequestDraft) -> Cal
     last_error: Exception | None = None
     for _attempt in range(2):
         placement = place(view, draft.prompt_ids, draft.params.max_tokens, draft.profile, draft.forced_mode,
-                          draft.offload_to_prefill, RequestWork.of(draft.params))
+                          draft.offload_to_prefill, RequestWork.of(draft.params), draft.policy)
         request = draft.generate_request(placement, callers.prefill_address(placement, view))
         view.begin(placement)
         stream = callers.call(placement, request, view)

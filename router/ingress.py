@@ -40,6 +40,7 @@ from router.errors import (
     model_not_found,
 )
 from router.http_errors import install_handlers
+from router.learning import PolicyLearner
 from router.logprob_format import TokenTexts
 from router.middleware import RequestIdMiddleware, read_json
 from router.openai_fields import refused_field
@@ -88,6 +89,14 @@ def _pool_status(cluster: ClusterView, role: str, enabled: bool) -> dict[str, An
     return {"status": status, "healthy": healthy, "replicas": len(replicas)}
 
 
+def _prediction_headers(prediction) -> dict[str, str]:
+    """`x-pd-predicted-ttft-ms` / `-tpot-ms`: what the router expected of the route taken."""
+    if prediction is None:
+        return {}
+    return {"x-pd-predicted-ttft-ms": f"{prediction.ttft_s * 1000.0:.2f}",
+            "x-pd-predicted-tpot-ms": f"{prediction.tpot_s * 1000.0:.2f}"}
+
+
 def _replica_id() -> str:
     try:
         return serve.get_replica_context().replica_id.unique_id
@@ -123,6 +132,7 @@ class Router:
             Tenants.load(self.config.secrets.api_keys_path()).per_replica(self.config.router.num_replicas),
             limits.max_concurrent_requests, limits.max_queued_requests, limits.queue_timeout_s)
         self.source_id = f"router:{_replica_id()}"
+        self.learner = PolicyLearner(self.config.router, self.metrics, self.source_id)
         self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
 
     # ---- cluster state ----------------------------------------------------------------
@@ -215,19 +225,25 @@ class Router:
             seed=seed, workload=workload, profile=profile, forced_mode=forced,
             offload_to_prefill=self.config.router.offload_local_to_prefill,
             prefill_timeout_s=self.config.router.prefill_timeout_s,
-            first_chunk_timeout_s=self.config.router.request_timeout_s) for i, (ids, _) in enumerate(prompts)]
+            first_chunk_timeout_s=self.config.router.request_timeout_s,
+            policy=self.learner.inputs(request_id, profile)) for i, (ids, _) in enumerate(prompts)]
         calls = await _start_all(dispatch.Callers(self.handles, self.streams), self.view, drafts)
         for call in calls:
             self.metrics.record_route(call.route, call.reason, workload)
             self.metrics.record_worker_call(call.path)
         runs = [streaming.PromptRun(i, ids, text, call)
                 for i, ((ids, text), call) in enumerate(zip(prompts, calls, strict=True))]
-        headers = {"x-pd-route": calls[0].route, "x-pd-reason": calls[0].reason}
+        headers = {"x-pd-route": calls[0].route, "x-pd-reason": calls[0].reason,
+                   **_prediction_headers(calls[0].placement.decision.prediction)}
         shape = ResponseShape(
             kind, request_id, self.model, self.texts, req.return_token_ids, n=req.n,
             logprobs=req.logprob_counts()[0] is not None, echo=kind != "chat" and req.echo,
             drop_generated=req.max_tokens == 0)
-        timing = streaming.Timing(self.metrics, calls[0].route, workload, arrival)
+        learn = None
+        if len(calls) == 1:
+            placement = calls[0].placement
+            learn = lambda ttft, tpot: self.learner.learn(placement, ttft, tpot)  # noqa: E731
+        timing = streaming.Timing(self.metrics, calls[0].route, workload, arrival, learn)
         if req.stream:
             chunks = streaming.stream_sse(runs, shape, req.include_usage, timing)
             return StreamingResponse(chunks, media_type=sse.MEDIA_TYPE, headers={**sse.HEADERS, **headers})
@@ -310,6 +326,17 @@ class Router:
         admin.check_admin(request.headers.get("authorization"), self.admin_token)
         query = admin.parse_steps_query(dict(request.query_params))
         return JSONResponse(await admin.collect_steps(self.streams, self.view, query))
+
+    @app.get("/admin/policy")
+    async def admin_get_policy(self, request: Request) -> JSONResponse:
+        admin.check_admin(request.headers.get("authorization"), self.admin_token)
+        return JSONResponse(self.learner.describe(self.view))
+
+    @app.post("/admin/policy/reset")
+    async def admin_reset_policy(self, request: Request) -> JSONResponse:
+        admin.check_admin(request.headers.get("authorization"), self.admin_token)
+        self.learner.reset()
+        return JSONResponse(self.learner.describe(self.view))
 
     async def _profiles_from_control_plane(self) -> tuple[int, dict[str, Any]]:
         if self.control_plane is None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -21,6 +21,7 @@ from workers.ray_metrics import mirror_into_ray
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
                    0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ERROR_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)  # |predicted - measured| / measured
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 REQUEST_LABELS = ("model", "route", "workload")
 REPLICA_LABELS = ("model", "pool", "replica")
@@ -55,6 +56,14 @@ class RouterMetrics:
         self.worker_calls = Counter("pdc_worker_calls", "Calls to worker replicas, by how they travelled "
                                     "(stream: the ZeroMQ worker stream; handle: a Serve handle).",
                                     ("model", "path"), registry=self.registry)
+        self.prediction_error = Histogram(
+            "pdc_prediction_abs_pct_error", "The routing policy's prediction error per finished request: "
+            "|predicted - measured| / measured, router-side TTFT and TPOT, for the route taken.",
+            ("model", "route", "metric"), registry=self.registry, buckets=ERROR_BUCKETS)
+        self.correction_factor = Gauge(
+            "pdc_policy_correction_factor", "Measured / predicted, smoothed, that this router replica "
+            "applies to predictions (1: the step model alone).",
+            ("model", "router", "replica", "route", "metric"), registry=self.registry)
         mirror_into_ray(self)  # the same recordings also reach Ray's Prometheus export
 
     def record_route(self, route: str, reason: str, workload: str) -> None:
@@ -62,6 +71,13 @@ class RouterMetrics:
 
     def record_worker_call(self, path: str) -> None:
         self.worker_calls.labels(self.model, path).inc()
+
+    def observe_prediction(self, route: str, metric: str, predicted: float, measured: float) -> None:
+        if measured > 0:
+            self.prediction_error.labels(self.model, route, metric).observe(abs(predicted - measured) / measured)
+
+    def set_correction(self, router: str, replica: str, route: str, metric: str, factor: float) -> None:
+        self.correction_factor.labels(self.model, router, replica, route, metric).set(factor)
 
     def observe_ttft(self, route: str, workload: str, seconds: float) -> None:
         self.ttft.labels(self.model, route, workload).observe(seconds)

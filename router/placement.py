@@ -14,16 +14,33 @@ prefix attracts it or shortens its prefill.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
-from cluster.config import WorkloadProfile
+from cluster.config import SLO, WorkloadProfile
 from router.cluster_view import ClusterView, ReplicaInfo
+from router.corrections import EMPTY, LearnedState
 from router.errors import unavailable
-from router.policy import PLAIN, RequestWork, RouteContext, RouteDecision, decide
+from router.policy import PLAIN, RequestWork, RouteContext, RouteDecision
+from router.routing import PolicySettings, decide
+from workers.engine.cost_model import prefill_work
 from workers.engine.kv_types import num_blocks
 from workers.engine.prefix_hash import block_hashes
 
 AFFINITY_MAX_IMBALANCE = 8  # affinity yields to load when the cached replica is this much busier
+MAX_PREFILL_CANDIDATES = 4  # remote candidates priced per request: the least-loaded prefill replicas
+
+
+@dataclass(frozen=True)
+class PolicyInputs:
+    """What the routing policy reads beyond the request and the view: the request's id
+    (exploration), its objectives, this router's learned corrections and the clock."""
+
+    request_id: str = ""
+    slo: SLO = field(default_factory=SLO)
+    state: LearnedState = EMPTY
+    now: float = 0.0
+    settings: PolicySettings = field(default_factory=PolicySettings)
 
 
 @dataclass
@@ -41,10 +58,14 @@ class Placement:
     prefill_tokens: int = 0  # the prompt tokens it computes (its expected cache hit aside)
     first_token: bool = False  # the first token is back: the prompt is done, it decodes now
     num_sequences: int = 1  # streams it decodes on `target_replica` (n / best_of)
+    prefill_work: int = 0  # the attention work of those prompt tokens (router/predict.py)
+    tpot_slo_s: float | None = None  # its workload's TPOT objective (the streams' objective there)
+    ended: bool = False
 
 
 def place(view: ClusterView, prompt_ids: list[int], max_tokens: int, profile: WorkloadProfile,
-          forced_mode: str | None, offload_to_prefill: bool = True, work: RequestWork = PLAIN) -> Placement:
+          forced_mode: str | None, offload_to_prefill: bool = True, work: RequestWork = PLAIN,
+          inputs: PolicyInputs = PolicyInputs()) -> Placement:
     """Where the request runs; a 503 `APIError` when no replica can take it."""
     hashes = block_hashes(prompt_ids, view.block_size)
     # Hashes a replica's cache could serve: none when the prompt is recomputed whole. All
@@ -55,11 +76,15 @@ def place(view: ClusterView, prompt_ids: list[int], max_tokens: int, profile: Wo
         decodes = view.overdue("decode")
     if not decodes and not prefills:
         raise unavailable("No healthy decode or prefill replica")
-    prefill = min(prefills, key=view.load, default=None)
+    ranked = heapq.nsmallest(MAX_PREFILL_CANDIDATES, prefills, key=view.load)
+    prefill = ranked[0] if ranked else None
     if not decodes:  # only prefill replicas are left: they can run requests whole
-        return _whole_on(view, prefill, hashes, hits, prompt_ids, RouteDecision("local", "decode-busy"), work)
+        return _whole_on(view, prefill, hashes, hits, prompt_ids, RouteDecision("local", "decode-busy"), work,
+                         inputs)
     decode, hit_blocks = _choose_decode(view, decodes, hits)
     num_cached = min(hit_blocks * view.block_size, len(prompt_ids) - 1)
+    whole = prefill if offload_to_prefill and prefill is not None and _prefer_prefill(
+        view, prefill, decode, hits, hit_blocks) else None
     ctx = RouteContext(
         prompt_len=len(prompt_ids), num_cached_tokens=num_cached, profile=profile,
         forced_mode=forced_mode, num_healthy_prefill=len(prefills),
@@ -67,18 +92,40 @@ def place(view: ClusterView, prompt_ids: list[int], max_tokens: int, profile: Wo
         decode_has_room=_has_room(view, decode, len(prompt_ids), max_tokens, hit_blocks, work.num_sequences),
         prefill_backlog_tokens=view.backlog[prefill.replica_id] if prefill else 0,
         decode_backlog_tokens=view.backlog[decode.replica_id], decode_num_streams=view.num_streams(decode),
-        prefill_stats=dict(prefill.stats) if prefill else {}, decode_stats=dict(decode.stats), work=work)
-    decision = decide(ctx)
+        work=work, request_id=inputs.request_id, max_tokens=max_tokens, slo=inputs.slo,
+        decode=view.load_of(decode), prefills=tuple(view.load_of(p) for p in ranked),
+        prefill_cached_tokens=tuple(_cached(view, p, hits, prompt_ids) for p in ranked),
+        whole=view.load_of(whole) if whole else None,
+        whole_cached_tokens=_cached(view, whole, hits, prompt_ids) if whole else 0)
+    decision = decide(ctx, inputs.state, inputs.now, inputs.settings)
+    kind = decision.candidate.kind if decision.candidate is not None else None
     if decision.route == "disagg":
-        prefill_hit = view.index.num_matched_blocks(prefill.replica_id, hits) * view.block_size
-        return Placement("decode", decode.replica_id, prefill.replica_id, decision, num_cached, hashes,
-                         prefill_on=prefill.replica_id, prefill_tokens=_uncached(prompt_ids, prefill_hit),
-                         num_sequences=work.num_sequences)
-    if offload_to_prefill and prefill is not None and _prefer_prefill(view, prefill, decode, hits, hit_blocks):
-        return _whole_on(view, prefill, hashes, hits, prompt_ids, decision, work)
-    return Placement("decode", decode.replica_id, None, decision, num_cached, hashes,
-                     prefill_on=decode.replica_id, prefill_tokens=_uncached(prompt_ids, num_cached),
-                     num_sequences=work.num_sequences)
+        chosen = decision.candidate.prefill_replica if decision.candidate is not None else prefill.replica_id
+        prefill_hit = _cached(view, view.replicas[chosen], hits, prompt_ids)
+        return _placed(view, "decode", decode.replica_id, chosen, decision, num_cached, hashes, prompt_ids,
+                       prefill_hit, chosen, work, inputs)
+    if kind == "whole" and whole is not None:
+        return _whole_on(view, whole, hashes, hits, prompt_ids, decision, work, inputs)
+    return _placed(view, "decode", decode.replica_id, None, decision, num_cached, hashes, prompt_ids, num_cached,
+                   decode.replica_id, work, inputs)
+
+
+def _placed(view: ClusterView, deployment: str, target: str, prefill_replica: str | None, decision: RouteDecision,
+            num_cached: int, hashes: list[int], prompt_ids: list[int], computed_from: int, prefill_on: str,
+            work: RequestWork, inputs: PolicyInputs) -> Placement:
+    """A Placement whose prompt is computed on `prefill_on` from its cached `computed_from` tokens."""
+    start = 0 if work.prompt_logprobs else min(computed_from, len(prompt_ids) - 1)
+    chunk = int(view.replicas[prefill_on].stats.get("max_num_batched_tokens", 1024)) if prefill_on in view.replicas \
+        else 1024
+    return Placement(deployment, target, prefill_replica, decision, num_cached, hashes, prefill_on=prefill_on,
+                     prefill_tokens=_uncached(prompt_ids, computed_from),
+                     num_sequences=work.num_sequences, prefill_work=prefill_work(start, len(prompt_ids), chunk)[2],
+                     tpot_slo_s=inputs.slo.tpot_ms / 1000.0)
+
+
+def _cached(view: ClusterView, replica: ReplicaInfo, hits: list[int], prompt_ids: list[int]) -> int:
+    """The replica's expected prefix-cache hit for this prompt, in tokens."""
+    return min(view.index.num_matched_blocks(replica.replica_id, hits) * view.block_size, len(prompt_ids) - 1)
 
 
 def _choose_decode(view: ClusterView, decodes: list[ReplicaInfo], hashes: list[int]) -> tuple[ReplicaInfo, int]:
@@ -120,12 +167,10 @@ def _prefer_prefill(view: ClusterView, prefill: ReplicaInfo, decode: ReplicaInfo
 
 
 def _whole_on(view: ClusterView, prefill: ReplicaInfo, hashes: list[int], hits: list[int], prompt_ids: list[int],
-              decision: RouteDecision, work: RequestWork) -> Placement:
-    hit = view.index.num_matched_blocks(prefill.replica_id, hits)
-    num_cached = min(hit * view.block_size, len(prompt_ids) - 1)
-    return Placement("prefill", prefill.replica_id, None, decision, num_cached, hashes,
-                     prefill_on=prefill.replica_id, prefill_tokens=_uncached(prompt_ids, num_cached),
-                     num_sequences=work.num_sequences)
+              decision: RouteDecision, work: RequestWork, inputs: PolicyInputs) -> Placement:
+    num_cached = _cached(view, prefill, hits, prompt_ids)
+    return _placed(view, "prefill", prefill.replica_id, None, decision, num_cached, hashes, prompt_ids, num_cached,
+                   prefill.replica_id, work, inputs)
 
 
 def _uncached(prompt_ids: list[int], num_cached: int) -> int:

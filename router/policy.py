@@ -2,11 +2,14 @@
 request decodes (`local`).
 
 The router gathers everything a policy may look at into one `RouteContext` (the prompt,
-the chosen decode replica's prefix-cache hit, both pools' load and health, the workload
-profile) and asks `RoutingPolicy.decide`. Policies are pure functions of that context,
-so they are table-tested and a smarter `auto` (one that predicts TTFT/TPOT from the
-replicas' live step times, carried in `prefill_stats` / `decode_stats`) drops in behind
-the same interface.
+the chosen decode replica's prefix-cache hit, both pools' load and health, each
+candidate replica's learned step model and queue, the workload profile and its SLO)
+and asks `RoutingPolicy.decide`. Policies are pure functions of that context (and, for
+`auto`, of a snapshot of what the router learned and an injected clock), so they are
+table-tested and a simulator runs them unchanged. The modes: `auto` (router/auto_policy.py,
+predicts every candidate's TTFT and TPOT against the SLO), `threshold` (a token
+threshold and a queue cap, here), `local` and `disagg`; `router/routing.py` picks the one
+that applies and attaches the predictions of the way the request runs.
 
 What a request asks beyond one plain stream is in `RequestWork` (from its
 SamplingParams): n / best_of sequences decode from one prefill, prompt logprobs recompute
@@ -17,9 +20,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
 
-from cluster.config import WorkloadProfile
+from cluster.config import SLO, WorkloadProfile
+from router.predict import Candidate, Prediction, RequestShape
+from router.replica_load import ReplicaLoad
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.step_cost import YIELD_STEP_FRACTION
 from workers.protocol import REASONS, Route
@@ -70,9 +74,18 @@ class RouteContext:
     prefill_backlog_tokens: int = 0
     decode_backlog_tokens: int = 0
     decode_num_streams: int = 0
-    prefill_stats: dict[str, Any] = field(default_factory=dict)  # for future predictive policies
-    decode_stats: dict[str, Any] = field(default_factory=dict)
     work: RequestWork = PLAIN  # streams, prompt logprobs, grammar (counted in the fields above)
+    # What the predictions price (router/predict.py), for every mode:
+    request_id: str = ""  # exploration is chosen by its hash
+    max_tokens: int = 16
+    slo: SLO = field(default_factory=SLO)  # the workload's objectives (its profile's, else the default)
+    decode: ReplicaLoad | None = None  # the chosen decode replica (None: a context without loads)
+    # healthy prefill replicas, least loaded first (at most MAX_PREFILL_CANDIDATES), with
+    # each one's expected prefix-cache hit for this prompt, in tokens
+    prefills: tuple[ReplicaLoad, ...] = ()
+    prefill_cached_tokens: tuple[int, ...] = ()
+    whole: ReplicaLoad | None = None  # an idle prefill replica that may run the request whole
+    whole_cached_tokens: int = 0
 
     @property
     def num_uncached_tokens(self) -> int:
@@ -82,6 +95,11 @@ class RouteContext:
             return self.prompt_len
         return max(0, self.prompt_len - self.num_cached_tokens)
 
+    @property
+    def shape(self) -> RequestShape:
+        return RequestShape(self.prompt_len, self.max_tokens, self.work.num_sequences,
+                            GUIDED_TOKEN_COST if self.work.guided else 1.0, self.work.prompt_logprobs)
+
 
 @dataclass(frozen=True)
 class RouteDecision:
@@ -90,10 +108,17 @@ class RouteDecision:
     # prefill in the background (`SamplingParams.yield_to_decode`): a prompt spilled onto
     # a decode replica takes only the step time its streams leave
     yield_prefill: bool = False
+    candidate: Candidate | None = None  # the way it runs: replicas, chunk size, raw prediction
+    prediction: Prediction | None = None  # what the router expects (corrected), for the headers
 
     def __post_init__(self) -> None:
         assert self.route in ("local", "disagg"), self.route
         assert self.reason in REASONS, self.reason
+
+    @property
+    def chunk_tokens(self) -> int | None:
+        """A background prefill's prompt tokens per decoding step (None: the engine's own)."""
+        return self.candidate.chunk_tokens if self.candidate is not None else None
 
 
 class RoutingPolicy(ABC):
@@ -136,8 +161,8 @@ class DisaggPolicy(RoutingPolicy):
 SPILL_SLOWDOWN_WHILE_DECODING = (1.0 + YIELD_STEP_FRACTION) / YIELD_STEP_FRACTION
 
 
-class AutoPolicy(RoutingPolicy):
-    """Disaggregate when it pays (Dynamo's conditional rule): a long uncached prompt goes
+class ThresholdPolicy(RoutingPolicy):
+    """Disaggregate when it pays by a token threshold (Dynamo's conditional rule): a long uncached prompt goes
     to the prefill pool, unless the decode replica would give it its first token sooner.
 
     The prompt spills to the decode replica (`prefill-busy`) when that replica has no
@@ -174,19 +199,3 @@ def _spill(ctx: RouteContext) -> bool:
         return True
     slowdown = SPILL_SLOWDOWN_WHILE_DECODING if ctx.decode_num_streams > 0 else 1.0
     return slowdown * (local + ctx.num_uncached_tokens) < remote + ctx.num_uncached_tokens
-
-
-def policy_for(ctx: RouteContext) -> RoutingPolicy:
-    """The policy that applies: a permitted client override first, then the profile."""
-    if ctx.forced_mode is not None:
-        return _POLICIES[ctx.forced_mode](reason="forced") if ctx.forced_mode != "auto" else AutoPolicy()
-    mode = ctx.profile.mode
-    return _POLICIES[mode](reason="profile") if mode != "auto" else AutoPolicy()
-
-
-_POLICIES = {"local": LocalPolicy, "disagg": DisaggPolicy}
-
-
-def decide(ctx: RouteContext) -> RouteDecision:
-    """Where this request prefills, as the policy that applies decides it."""
-    return policy_for(ctx).decide(ctx)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from cluster.config import WorkloadProfile
 
-VALID_MODES = ("auto", "disagg", "local")
+VALID_MODES = ("auto", "threshold", "disagg", "local")
 
 
 @dataclass(frozen=True)

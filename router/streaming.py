@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
@@ -38,19 +38,28 @@ class Timing:
 
     `content()` stamps a chunk's arrival; `record()` turns the stamps into observations.
     A stream calls `record()` after it has handed the chunk on, so the metrics (a
-    Prometheus and a Ray histogram each) never delay a token on its way to the client."""
+    Prometheus and a Ray histogram each) never delay a token on its way to the client.
+    `finish()` hands `on_finish` the request's TTFT and TPOT (mean gap after the first
+    token; None under two tokens), which the routing policy learns from."""
 
-    def __init__(self, router_metrics: metrics.RouterMetrics, route: str, workload: str, arrival: float) -> None:
+    def __init__(self, router_metrics: metrics.RouterMetrics, route: str, workload: str, arrival: float,
+                 on_finish: Callable[[float, float | None], None] | None = None) -> None:
         self.metrics, self.route, self.workload = router_metrics, route, workload
         self.arrival = arrival
+        self.first: float | None = None
         self.last: float | None = None
+        self.num_tokens = 0
+        self.on_finish = on_finish
         self._pending: list[tuple[bool, float]] = []  # (is the first token, seconds)
 
-    def content(self) -> None:
+    def content(self, num_tokens: int = 1) -> None:
         now = time.perf_counter()
         first = self.last is None
         self._pending.append((first, now - (self.arrival if first else self.last)))
+        if first:
+            self.first = now
         self.last = now
+        self.num_tokens += num_tokens
 
     def record(self) -> None:
         for first, seconds in self._pending:
@@ -63,6 +72,9 @@ class Timing:
     def finish(self) -> None:
         self.record()
         self.metrics.observe_e2e(self.route, self.workload, (self.last or time.perf_counter()) - self.arrival)
+        if self.on_finish is not None and self.first is not None:
+            tpot = (self.last - self.first) / (self.num_tokens - 1) if self.num_tokens >= 2 else None
+            self.on_finish(self.first - self.arrival, tpot)
 
 
 async def all_chunks(call: dispatch.Call):
@@ -138,7 +150,7 @@ async def stream_sse(runs: list[PromptRun], shape: ResponseShape, include_usage:
                 yield sse.error_events({"error": chunk.error})
                 return
             if chunk.token_ids or chunk.text:
-                timing.content()
+                timing.content(max(1, len(chunk.token_ids)))
             state = _state_for(states, run, chunk, shape.n)
             piece = shape.piece(state, chunk)
             finish = chunk.finish_reason if chunk.finished else None
@@ -171,7 +183,7 @@ async def collect_json(runs: list[PromptRun], shape: ResponseShape, timing: Timi
                 status = dispatch.error_status(chunk.error)
                 return error_response(APIError.from_body(status, {"error": chunk.error}), headers)
             if chunk.token_ids or chunk.text:
-                timing.content()
+                timing.content(max(1, len(chunk.token_ids)))
             shape.piece(_state_for(states, run, chunk, shape.n), chunk)
     except dispatch.WORKER_FAILURES as e:
         raise APIError(503, f"The serving replica failed: {type(e).__name__}", code="replica_failed") from None

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 
 from cluster.config import WorkloadProfile
-from router.policy import GUIDED_TOKEN_COST, RequestWork, RouteContext, decide
+from router.policy import GUIDED_TOKEN_COST, RequestWork, RouteContext
+from router.routing import decide
 from workers.engine.sampling_params import GuidedDecoding, SamplingParams
 
-AUTO = WorkloadProfile(mode="auto", min_remote_prefill_tokens=100, max_prefill_queue=2)
+AUTO = WorkloadProfile(mode="threshold", min_remote_prefill_tokens=100, max_prefill_queue=2)
 
 
 def ctx(**kw):
@@ -36,8 +37,8 @@ DECISIONS = [
         ({"forced_mode": "local"}, ("local", "forced")),
         ({"forced_mode": "disagg", "prompt_len": 3}, ("disagg", "forced")),
         ({"forced_mode": "disagg", "num_healthy_prefill": 0}, ("local", "prefill-unhealthy")),
-        ({"forced_mode": "auto", "profile": WorkloadProfile(mode="local")}, ("disagg", "long-prompt")),
-        ({"profile": WorkloadProfile(mode="auto", min_remote_prefill_tokens=0, max_prefill_queue=0)},
+        ({"forced_mode": "threshold", "profile": WorkloadProfile(mode="local")}, ("disagg", "long-prompt")),
+        ({"profile": WorkloadProfile(mode="threshold", min_remote_prefill_tokens=0, max_prefill_queue=0)},
          ("local", "prefill-busy")),
 ]
 
@@ -51,7 +52,7 @@ def test_decision_table(kw, expected):
 # Spilling to the decode replica: where the prompt's first token is expected sooner.
 # The prompt has 500 uncached tokens; AUTO_SPILL lets a prompt of 300 or less spill in the
 # foreground, a longer one prefills in the background (yield_prefill).
-AUTO_SPILL = WorkloadProfile(mode="auto", min_remote_prefill_tokens=100, max_prefill_queue=4,
+AUTO_SPILL = WorkloadProfile(mode="threshold", min_remote_prefill_tokens=100, max_prefill_queue=4,
                              max_local_prefill_tokens_while_decoding=300)
 SPILL = {"profile": AUTO_SPILL}
 BACKGROUND, FOREGROUND, REMOTE = ("local", "prefill-busy", True), ("local", "prefill-busy", False), \
@@ -84,8 +85,8 @@ def test_spill_table(kw, expected):
 
 
 def test_never_disagg_without_prefill():
-    for mode in ("auto", "disagg", "local"):
-        for forced in (None, "auto", "disagg", "local"):
+    for mode in ("auto", "threshold", "disagg", "local"):
+        for forced in (None, "auto", "threshold", "disagg", "local"):
             d = decide(ctx(num_healthy_prefill=0, profile=WorkloadProfile(mode=mode), forced_mode=forced))
             assert d.route == "local"
 
@@ -100,7 +101,7 @@ LOGPROBS = RequestWork(prompt_logprobs=True)
     [
         # A prompt whose logprobs are wanted is computed whole: a cached prefix is no hit.
         ({"num_cached_tokens": 450}, ("disagg", "long-prompt", False)),
-        ({"num_cached_tokens": 499, "profile": WorkloadProfile(mode="auto", min_remote_prefill_tokens=500)},
+        ({"num_cached_tokens": 499, "profile": WorkloadProfile(mode="threshold", min_remote_prefill_tokens=500)},
          ("disagg", "long-prompt", False)),
         ({"prompt_len": 99, "num_cached_tokens": 64}, ("local", "short-prompt", False)),  # never prefix-hit
         # Its whole prompt is what a spill compares: 500 > 300 prefills in the background.

@@ -41,7 +41,7 @@ def test_prefix_index_leading_run_and_lru():
 
 # ---- placement ---------------------------------------------------------------------
 
-AUTO = WorkloadProfile(mode="auto", min_remote_prefill_tokens=32, max_prefill_queue=2)
+AUTO = WorkloadProfile(mode="threshold", min_remote_prefill_tokens=32, max_prefill_queue=2)
 
 
 def replica(rid, role, **stats):
@@ -84,7 +84,7 @@ def test_placement_spills_a_prompt_where_its_first_token_comes_sooner():
     replica and the streams past it; the policy spills on those (AutoPolicy)."""
     view = ClusterView(block_size=16, max_num_seqs=8)
     view.update([replica("d1", "decode"), replica("p1", "prefill")])
-    profile = WorkloadProfile(mode="auto", min_remote_prefill_tokens=32, max_prefill_queue=4,
+    profile = WorkloadProfile(mode="threshold", min_remote_prefill_tokens=32, max_prefill_queue=4,
                               max_local_prefill_tokens_while_decoding=64)
 
     def placed(seed: int, n: int = 100):
@@ -197,7 +197,8 @@ def test_placement_and_policy_import_no_web_or_ray_code():
         from cluster.config import WorkloadProfile
         from router.cluster_view import ClusterView, ReplicaInfo
         from router.placement import place
-        from router.policy import RouteContext, decide
+        from router.policy import RouteContext
+        from router.routing import decide
         from router.prefix_index import PrefixIndex
         from router.profiles import Profiles, client_mode
 

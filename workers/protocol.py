@@ -19,6 +19,10 @@ Route = Literal["local", "disagg"]
 REASONS = (
     "forced", "profile", "short-prompt", "prefix-hit", "long-prompt", "prefill-busy",
     "prefill-unhealthy", "prefill-failed", "prefill-timeout", "decode-busy",
+    # auto: the candidate with the most slack against the SLO; a background prefill that
+    # keeps the streams beside it inside theirs; none meets it (least goodput lost); a
+    # bounded re-probe of a route whose measurements went stale
+    "slo-local", "slo-disagg", "protect-streams", "no-route-meets-slo", "explore",
 )
 
 

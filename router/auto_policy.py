@@ -1,0 +1,150 @@
+"""`auto`: the route that maximises goodput, from predicted TTFT and TPOT against the SLO.
+
+The decode replica is already chosen (prefix affinity, then load; router/placement.py).
+The candidates, each priced by router/predict.py and rescaled by this router's learned
+corrections (router/corrections.py):
+
+- `remote` on each of the (at most 4) least-loaded healthy prefill replicas,
+- `local` on the decode replica, in the foreground,
+- `background` on the decode replica at the chunk size that keeps its streams inside
+  their TPOT objective (only while it has streams),
+- `whole` on an idle prefill replica (only when the placement offers one).
+
+A candidate meets the SLO when its TTFT and this request's TPOT meet the workload's and
+the TPOT the streams beside it will see meets theirs. Of those that meet it, the one with
+the most slack wins (leximin over the slack fractions: the tightest margin first, then
+the next); when none does, the one that loses the least expected goodput (this request,
+plus each stream pushed over its objective in proportion to how far).
+
+Exploration: where both routes meet the SLO and the other route's measurements are
+stale, a request whose id hashes into the `explore_fraction` bucket takes the other
+route, so a route abandoned for being slow is measured again once it recovers.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+from router import predict
+from router.corrections import EMPTY, LearnedState
+from router.policy import RouteContext, RouteDecision, RoutingPolicy
+from router.predict import Candidate, Prediction
+
+EXPLORE_BUCKETS = 10_000
+REASON_BY_KIND = {"remote": "slo-disagg", "local": "slo-local", "background": "protect-streams",
+                  "whole": "slo-local"}
+
+
+@dataclass(frozen=True)
+class Scored:
+    candidate: Candidate
+    prediction: Prediction  # corrected
+    meets: bool
+    slack: tuple[float, ...]  # ascending slack fractions (1 - predicted / objective)
+    loss: float  # expected goodput lost: 0..1 for this request plus the streams' share
+
+
+def candidates(ctx: RouteContext) -> list[Candidate]:
+    """Every way this request may run, raw predictions (no corrections)."""
+    if ctx.decode is None:
+        return []
+    req, d = ctx.shape, ctx.decode
+    out = [predict.local(req, d, ctx.num_cached_tokens)]
+    slow = predict.background(req, d, ctx.num_cached_tokens, stream_slo_s(ctx))
+    if slow is not None:
+        out.append(slow)
+    if ctx.num_healthy_prefill > 0 and ctx.decode_has_room:
+        out += [predict.remote(req, p, d, hit, ctx.num_cached_tokens)
+                for p, hit in zip(ctx.prefills, ctx.prefill_cached_tokens, strict=True)]
+    if ctx.whole is not None:
+        out.append(predict.whole(req, ctx.whole, ctx.whole_cached_tokens))
+    return out
+
+
+def stream_slo_s(ctx: RouteContext) -> float:
+    """The TPOT objective of the streams on the decode replica: the tightest among them
+    that this router knows of, else this workload's."""
+    own = ctx.slo.tpot_ms / 1000.0
+    known = ctx.decode.stream_tpot_slo_s if ctx.decode is not None else None
+    return min(own, known) if known else own
+
+
+def corrected(candidate: Candidate, state: LearnedState, now: float) -> Prediction:
+    route = candidate.route
+    ttft = state.factor("ttft", route, candidate.prefill_replica, now)
+    tpot = state.factor("tpot", route, candidate.decode_replica, now)
+    return candidate.prediction.scaled(ttft, tpot)
+
+
+def score(ctx: RouteContext, candidate: Candidate, prediction: Prediction) -> Scored:
+    slo_ttft, slo_tpot, slo_streams = ctx.slo.ttft_ms / 1000.0, ctx.slo.tpot_ms / 1000.0, stream_slo_s(ctx)
+    ratios = [prediction.ttft_s / slo_ttft]
+    if ctx.max_tokens >= 2:
+        ratios.append(prediction.tpot_s / slo_tpot)
+    own_meets = all(r <= 1.0 for r in ratios)
+    streams_ratio = prediction.streams_tpot_s / slo_streams if candidate.num_streams else 0.0
+    if candidate.num_streams:
+        ratios.append(streams_ratio)
+    meets = own_meets and streams_ratio <= 1.0
+    streams_loss = candidate.num_streams * min(1.0, max(0.0, streams_ratio - 1.0))
+    loss = (0.0 if own_meets else 1.0) + streams_loss
+    return Scored(candidate, prediction, meets, tuple(sorted(1.0 - r for r in ratios)), loss)
+
+
+def best(scored: list[Scored]) -> Scored:
+    meeting = [s for s in scored if s.meets]
+    if meeting:
+        return max(meeting, key=lambda s: s.slack)
+    return min(scored, key=lambda s: (s.loss, [-x for x in s.slack]))
+
+
+class AutoPolicy(RoutingPolicy):
+    """Predict every candidate, keep the SLO with the most slack, explore stale routes."""
+
+    def __init__(self, state: LearnedState = EMPTY, now: float = 0.0, explore_fraction: float = 0.02,
+                 stale_after_s: float = 20.0) -> None:
+        self.state, self.now = state, now
+        self.explore_fraction, self.stale_after_s = explore_fraction, stale_after_s
+
+    def decide(self, ctx: RouteContext) -> RouteDecision:
+        scored = [score(ctx, c, corrected(c, self.state, self.now)) for c in candidates(ctx)]
+        if not scored:  # a context without replica loads: nothing to price
+            return RouteDecision("local", "prefill-unhealthy" if ctx.num_healthy_prefill == 0 else "decode-busy")
+        chosen = best(scored)
+        probe = self._explore(ctx, scored, chosen)
+        if probe is not None:
+            return _decision(probe, "explore")
+        return _decision(chosen, self._reason(ctx, chosen))
+
+    def _reason(self, ctx: RouteContext, chosen: Scored) -> str:
+        if not chosen.meets:
+            return "no-route-meets-slo"
+        if chosen.candidate.route == "local" and ctx.num_healthy_prefill == 0:
+            return "prefill-unhealthy"
+        if chosen.candidate.route == "local" and not ctx.decode_has_room and ctx.num_healthy_prefill > 0:
+            return "decode-busy"
+        return REASON_BY_KIND[chosen.candidate.kind]
+
+    def _explore(self, ctx: RouteContext, scored: list[Scored], chosen: Scored) -> Scored | None:
+        if not chosen.meets or not in_explore_bucket(ctx.request_id, self.explore_fraction):
+            return None
+        other = "local" if chosen.candidate.route == "disagg" else "disagg"
+        if not self.state.stale(other, self.now, self.stale_after_s):
+            return None
+        alternatives = [s for s in scored if s.candidate.route == other and s.meets]
+        return max(alternatives, key=lambda s: s.slack) if alternatives else None
+
+
+def in_explore_bucket(request_id: str, fraction: float) -> bool:
+    """A stable hash of the request id, so the same request explores on every router."""
+    if not request_id:
+        return False
+    bucket = zlib.crc32(request_id.encode()) % EXPLORE_BUCKETS
+    return bucket < fraction * EXPLORE_BUCKETS
+
+
+def _decision(s: Scored, reason: str) -> RouteDecision:
+    c = s.candidate
+    return RouteDecision(c.route, reason, yield_prefill=c.kind == "background", candidate=c,
+                         prediction=s.prediction)

@@ -1,0 +1,132 @@
+"""What this router learned from its own predictions: per replica and route, how far the
+measured TTFT and TPOT sat from what the step models predicted.
+
+For every finished request the router calls `Corrections.observe` with the route taken,
+its uncorrected prediction and what happened (router-side: arrival to first token, so
+the HTTP hop before the router is not charged to the model; TPOT for requests of two or
+more tokens). A correction factor (measured / predicted, smoothed on the log scale)
+then rescales later predictions for that replica and route, so a slow prefill pool, a
+slow network or a cold transfer path shows up in the predictions within a few requests.
+
+A factor whose last measurement is old decays toward 1 (half-life `half_life_s`): what
+was true of a route a minute ago is weaker evidence than the model itself, so a route
+abandoned because it was slow is tried again once the evidence has faded (and, while
+both routes are predicted to meet the SLO, re-probed by exploration sooner; see
+`router/auto_policy.py`).
+
+`snapshot()` hands the policy an immutable `LearnedState`; `decide` reads only that, so
+it stays a pure function. Corrections are per router replica; `reset()` forgets them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Literal
+
+Metric = Literal["ttft", "tpot"]
+Key = tuple[str, str, str]  # (metric, route, replica): TTFT by the replica that prefills, TPOT by where it decodes
+
+SMOOTHING = 0.3  # weight of the newest measurement once a key has a few samples
+MAX_RATIO = 20.0  # a single measurement moves the factor by at most this ratio either way
+HALF_LIFE_S = 60.0
+
+
+@dataclass(frozen=True)
+class Correction:
+    log_factor: float = 0.0
+    num_samples: int = 0
+    updated_at: float = 0.0  # the injected clock's time of the last measurement
+
+    @property
+    def factor(self) -> float:
+        return math.exp(self.log_factor)
+
+    def to_dict(self) -> dict[str, float | int]:
+        return {"factor": round(self.factor, 4), "num_samples": self.num_samples, "updated_at": self.updated_at}
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One finished request: the route it took and what was predicted / measured."""
+
+    route: str
+    prefill_replica: str
+    decode_replica: str
+    predicted_ttft_s: float  # uncorrected
+    measured_ttft_s: float
+    predicted_tpot_s: float | None = None  # None: fewer than two tokens
+    measured_tpot_s: float | None = None
+
+
+@dataclass(frozen=True)
+class LearnedState:
+    """An immutable view of the corrections, for `decide`."""
+
+    corrections: Mapping[Key, Correction] = field(default_factory=dict)
+    last_seen: Mapping[str, float] = field(default_factory=dict)  # route -> last measurement time
+    half_life_s: float = HALF_LIFE_S
+
+    def factor(self, metric: Metric, route: str, replica: str, now: float) -> float:
+        c = self.corrections.get((metric, route, replica))
+        if c is None:
+            return 1.0
+        age = max(0.0, now - c.updated_at)
+        return math.exp(c.log_factor * 0.5 ** (age / self.half_life_s))
+
+    def stale(self, route: str, now: float, stale_after_s: float) -> bool:
+        """No request of this route was measured for `stale_after_s`."""
+        return now - self.last_seen.get(route, -math.inf) > stale_after_s
+
+
+EMPTY = LearnedState()
+
+
+class Corrections:
+    """Mutable: observed from finished requests, read through `snapshot()`."""
+
+    def __init__(self, half_life_s: float = HALF_LIFE_S) -> None:
+        self.half_life_s = half_life_s
+        self._corrections: dict[Key, Correction] = {}
+        self._last_seen: dict[str, float] = {}
+        self._snapshot: LearnedState | None = None
+
+    def observe(self, outcome: Outcome, now: float) -> None:
+        self._update(("ttft", outcome.route, outcome.prefill_replica), outcome.predicted_ttft_s,
+                     outcome.measured_ttft_s, now)
+        if outcome.predicted_tpot_s is not None and outcome.measured_tpot_s is not None:
+            self._update(("tpot", outcome.route, outcome.decode_replica), outcome.predicted_tpot_s,
+                         outcome.measured_tpot_s, now)
+        self._last_seen[outcome.route] = now
+        self._snapshot = None
+
+    def _update(self, key: Key, predicted: float, measured: float, now: float) -> None:
+        if predicted <= 0 or measured <= 0 or not math.isfinite(predicted) or not math.isfinite(measured):
+            return
+        ratio = min(max(measured / predicted, 1.0 / MAX_RATIO), MAX_RATIO)
+        old = self._corrections.get(key, Correction())
+        weight = max(SMOOTHING, 1.0 / (old.num_samples + 1))  # a plain mean over the first few
+        log_factor = (1.0 - weight) * old.log_factor + weight * math.log(ratio)
+        self._corrections[key] = Correction(log_factor, old.num_samples + 1, now)
+
+    def snapshot(self) -> LearnedState:
+        if self._snapshot is None:
+            self._snapshot = LearnedState(MappingProxyType(dict(self._corrections)),
+                                          MappingProxyType(dict(self._last_seen)), self.half_life_s)
+        return self._snapshot
+
+    def reset(self) -> None:
+        self._corrections.clear()
+        self._last_seen.clear()
+        self._snapshot = None
+
+    def by_replica(self, now: float) -> dict[str, dict[str, dict]]:
+        """{replica: {"ttft/disagg": {factor, effective, num_samples, updated_at}, ...}}."""
+        state = self.snapshot()
+        out: dict[str, dict[str, dict]] = {}
+        for (metric, route, replica), c in sorted(self._corrections.items()):
+            entry = dict(c.to_dict(), effective=round(state.factor(metric, route, replica, now), 4))
+            out.setdefault(replica, {})[f"{metric}/{route}"] = entry
+        return out

@@ -1,0 +1,90 @@
+"""What one router replica learns about its own routing: per-request policy inputs, and
+the feedback of finished requests (predicted TTFT / TPOT against what it measured) into
+its corrections and the prediction metrics; `GET /admin/policy` reads it back."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from cluster.config import RouterSettings, WorkloadProfile
+from router.cluster_view import ClusterView
+from router.corrections import Corrections, Outcome
+from router.metrics import RouterMetrics
+from router.placement import Placement, PolicyInputs
+from router.routing import PolicySettings
+
+
+class PolicyLearner:
+    def __init__(self, settings: RouterSettings, metrics: RouterMetrics, router_id: str,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings, self.metrics, self.router_id, self.clock = settings, metrics, router_id, clock
+        self.corrections = Corrections()
+        self.policy = PolicySettings(settings.explore_fraction, settings.stale_after_s)
+        self.reset_at: float | None = None
+
+    def inputs(self, request_id: str, profile: WorkloadProfile) -> PolicyInputs:
+        """What the policy reads for one request beside the view."""
+        slo = profile.slo or self.settings.default_slo
+        return PolicyInputs(request_id, slo, self.corrections.snapshot(), self.clock(), self.policy)
+
+    def learn(self, placement: Placement, ttft_s: float, tpot_s: float | None) -> None:
+        """Observe one finished request, under the route the policy chose (even where the
+        worker fell back: a failing remote path is what must show up as slow)."""
+        outcome = outcome_of(placement, ttft_s, tpot_s)
+        if outcome is None:
+            return
+        shown = placement.decision.prediction  # what the headers said (corrected)
+        if shown is not None:
+            self.metrics.observe_prediction(outcome.route, "ttft", shown.ttft_s, ttft_s)
+            if outcome.measured_tpot_s is not None:
+                self.metrics.observe_prediction(outcome.route, "tpot", shown.tpot_s, outcome.measured_tpot_s)
+        now = self.clock()
+        self.corrections.observe(outcome, now)
+        state = self.corrections.snapshot()
+        for metric, replica in (("ttft", outcome.prefill_replica), ("tpot", outcome.decode_replica)):
+            self.metrics.set_correction(self.router_id, replica, outcome.route, metric,
+                                        state.factor(metric, outcome.route, replica, now))
+
+    def reset(self) -> None:
+        self.corrections.reset()
+        self.reset_at = time.time()
+
+    def describe(self, view: ClusterView) -> dict[str, Any]:
+        """Per replica: the fitted step model and transfer costs it reported, this router's
+        corrections, their sample counts and update times."""
+        now, wall = self.clock(), time.time()
+        corrections = self.corrections.by_replica(now)
+        for entries in corrections.values():  # the injected clock's times as Unix time
+            for entry in entries.values():
+                entry["updated_at"] = round(wall - (now - entry["updated_at"]), 3)
+        replicas = {}
+        for rid, info in sorted(view.replicas.items()):
+            stats = info.stats
+            replicas[rid] = {
+                "role": info.role, "healthy": info.healthy,
+                "step_model": stats.get("step_model"), "transfer_model": stats.get("transfer_model"),
+                "corrections": corrections.pop(rid, {}),
+            }
+        for rid, entry in corrections.items():  # replicas that left the view since
+            replicas[rid] = {"corrections": entry}
+        last = {route: round(wall - (now - t), 3) for route, t in self.corrections.snapshot().last_seen.items()}
+        return {"router": self.router_id, "reset_at": self.reset_at,
+                "settings": {"explore_fraction": self.policy.explore_fraction,
+                             "stale_after_s": self.policy.stale_after_s,
+                             "default_slo": self.settings.default_slo.model_dump()},
+                "last_measured": last, "replicas": replicas}
+
+
+def outcome_of(placement: Placement, ttft_s: float, tpot_s: float | None) -> Outcome | None:
+    """The outcome to learn from, or None when the decision carried no prediction. TPOT
+    only for a single stream (n sequences interleave in one response)."""
+    decision = placement.decision
+    candidate = decision.candidate
+    if candidate is None:
+        return None
+    raw = candidate.prediction
+    measured_tpot = tpot_s if placement.num_sequences == 1 else None
+    return Outcome(decision.route, candidate.prefill_replica, candidate.decode_replica, raw.ttft_s, ttft_s,
+                   raw.tpot_s if measured_tpot is not None else None, measured_tpot)

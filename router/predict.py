@@ -1,0 +1,197 @@
+"""What each way of running one request would cost: TTFT, its TPOT, and the TPOT of the
+streams already decoding beside it, priced from the replicas' learned step models.
+
+A replica's step takes (workers/engine/cost_model.py)
+
+    c0 + c1 * prompt tokens + c2 * prefill attention work + c3 * decode seqs + c4 * decode context
+
+and its scheduler fills each step's token budget with its streams' decode tokens first,
+then prompt chunks in arrival order (a background prefill last, at its own chunk size).
+From that and the replica's queue (`ReplicaLoad`) follow, per candidate:
+
+- `remote`: the prompt prefills on a prefill replica behind its queue, the KV's exposed
+  transfer tail follows, then the decode replica picks the request up at its next step.
+- `local`: the prompt prefills on the decode replica behind its queue, each step also
+  decoding the streams there (which wait for those steps).
+- `background`: as `local`, but in a step that decodes streams the prompt takes only a
+  chunk sized so the step stays inside the streams' TPOT objective (prefill deflection);
+  at full speed once they are done.
+- `whole`: the request runs, prefill and decode, on an idle prefill replica.
+
+A stream's TPOT is its mean gap over the tokens it has left, so the prediction for the
+streams beside a prefill averages the slower mixed steps into the rest of their life.
+Everything here is pure arithmetic over plain data: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from router.replica_load import ReplicaLoad
+from workers.engine.cost_model import StepCoefficients, prefill_work
+
+Kind = Literal["remote", "local", "background", "whole"]
+STREAM_TPOT_MARGIN = 0.9  # a background chunk aims this far inside the streams' objective
+
+
+@dataclass(frozen=True)
+class RequestShape:
+    """One request as pricing sees it."""
+
+    prompt_len: int
+    max_tokens: int
+    num_sequences: int = 1
+    decode_cost: float = 1.0  # plain decode tokens per step per sequence (a grammar costs more)
+    prompt_logprobs: bool = False  # computed whole: no prefix-cache hit
+
+
+@dataclass(frozen=True)
+class Prediction:
+    ttft_s: float
+    tpot_s: float  # this request's mean gap after its first token
+    streams_tpot_s: float = 0.0  # the streams already decoding beside it (0: none)
+
+    def scaled(self, ttft: float, tpot: float) -> Prediction:
+        return Prediction(self.ttft_s * ttft, self.tpot_s * tpot, self.streams_tpot_s * tpot)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    kind: Kind
+    decode_replica: str  # where it decodes (the prefill replica itself for `whole`)
+    prefill_replica: str  # where its prompt is computed
+    prediction: Prediction
+    chunk_tokens: int | None = None  # `background`: the prompt tokens per decoding step
+    num_streams: int = 0  # the streams beside it
+
+    @property
+    def route(self) -> str:
+        return "disagg" if self.kind == "remote" else "local"
+
+
+def step_s(c: StepCoefficients, prefill_tokens: float, prefill_work_: float, decode_seqs: float,
+           decode_context: float) -> float:
+    return (c.fixed_s + c.prefill_token_s * prefill_tokens + c.prefill_attention_s * prefill_work_
+            + c.decode_seq_s * decode_seqs + c.decode_context_s * decode_context)
+
+
+def decode_step_s(r: ReplicaLoad, extra_seqs: float = 0.0, extra_context: float = 0.0) -> float:
+    """A step that only decodes the replica's streams (plus `extra_seqs`)."""
+    return step_s(r.coefficients, 0, 0, r.num_streams + extra_seqs, r.stream_context + extra_context)
+
+
+@dataclass(frozen=True)
+class _Prefill:
+    seconds: float  # from now to the prompt's last chunk done
+    steps: int  # steps that computed prompt tokens (the queue's and its own)
+    step_s: float  # their mean time
+
+
+def _prefill(r: ReplicaLoad, start: int, end: int) -> _Prefill:
+    """The queue, then [start, end), in chunks of what the streams leave of the budget."""
+    budget = max(1, r.chunk_tokens - r.num_streams)
+    own_chunks, own_tokens, own_work = prefill_work(start, end, budget)
+    steps = math.ceil(r.queue_tokens / budget) + own_chunks
+    c = r.coefficients
+    per_step = c.fixed_s + c.decode_seq_s * r.num_streams + c.decode_context_s * r.stream_context
+    seconds = (steps * per_step + c.prefill_token_s * (r.queue_tokens + own_tokens)
+               + c.prefill_attention_s * (r.queue_work + own_work))
+    return _Prefill(seconds, steps, seconds / steps if steps else 0.0)
+
+
+def _streams_tpot(r: ReplicaLoad, busy_steps: float, busy_step_s: float, after_step_s: float) -> float:
+    """The streams' mean gap over what they have left: `busy_steps` slow ones, then the rest."""
+    if r.num_streams == 0:
+        return 0.0
+    life = max(r.stream_tokens_left, 1.0)
+    slow = min(busy_steps, life)
+    return (slow * busy_step_s + (life - slow) * after_step_s) / life
+
+
+def _own_tpot(req: RequestShape, d: ReplicaLoad, queue_steps_left: float, busy_step_s: float) -> float:
+    """This request's mean gap on `d`, its queue still prefilling for `queue_steps_left` steps."""
+    after = decode_step_s(d, req.num_sequences * req.decode_cost, req.num_sequences * req.prompt_len)
+    gaps = max(req.max_tokens - 1, 1)
+    slow = min(max(queue_steps_left, 0.0), gaps)
+    return (slow * max(busy_step_s, after) + (gaps - slow) * after) / gaps
+
+
+def remote(req: RequestShape, p: ReplicaLoad, d: ReplicaLoad, prefill_cached: int, decode_cached: int) -> Candidate:
+    """Prefill on `p`, decode on `d`."""
+    prefill = _prefill(p, _start(req, prefill_cached), req.prompt_len)
+    num_bytes = max(0, req.prompt_len - _start(req, decode_cached)) * d.kv_bytes_per_token
+    link = p.transfer_to(d.address)
+    tail = link.fixed_s + num_bytes / link.bytes_per_s
+    after = decode_step_s(d, req.num_sequences * req.decode_cost, req.num_sequences * req.prompt_len)
+    ttft = prefill.seconds + tail + 0.5 * after  # picked up at the decode replica's next step
+    d_queue = _prefill(d, 0, 0)
+    d_steps_left = d_queue.steps - ttft / d_queue.step_s if d_queue.steps else 0.0
+    tpot = _own_tpot(req, d, d_steps_left, d_queue.step_s)
+    streams = _streams_tpot(d, d_queue.steps, d_queue.step_s, after)
+    return Candidate("remote", d.replica_id, p.replica_id, Prediction(ttft, tpot, streams), num_streams=d.num_streams)
+
+
+def local(req: RequestShape, d: ReplicaLoad, cached: int) -> Candidate:
+    """Prefill on `d` in the foreground, behind its queue, then decode there."""
+    prefill = _prefill(d, _start(req, cached), req.prompt_len)
+    tpot = _own_tpot(req, d, 0, 0.0)
+    after = decode_step_s(d, req.num_sequences * req.decode_cost, req.num_sequences * req.prompt_len)
+    streams = _streams_tpot(d, prefill.steps, prefill.step_s, after)
+    return Candidate("local", d.replica_id, d.replica_id, Prediction(prefill.seconds, tpot, streams),
+                     num_streams=d.num_streams)
+
+
+def background_chunk(req: RequestShape, d: ReplicaLoad, stream_tpot_slo_s: float) -> int:
+    """The prompt tokens a decoding step may take so that it stays inside the streams'
+    objective (at least one token; at most the budget the streams leave)."""
+    c = d.coefficients
+    base = decode_step_s(d)
+    per_token = c.prefill_token_s + c.prefill_attention_s * req.prompt_len
+    budget = max(1, d.chunk_tokens - d.num_streams)
+    room = STREAM_TPOT_MARGIN * stream_tpot_slo_s - base
+    if per_token <= 0:
+        return budget
+    return int(max(1, min(budget, room / per_token)))
+
+
+def background(req: RequestShape, d: ReplicaLoad, cached: int, stream_tpot_slo_s: float) -> Candidate | None:
+    """Prefill on `d` yielding to its streams; None when it has none (then it is `local`)."""
+    if d.num_streams == 0:
+        return None
+    chunk = background_chunk(req, d, stream_tpot_slo_s)
+    queue = _prefill(d, 0, 0)  # the foreground prompts go first
+    start = _start(req, cached)
+    life_left = max(d.stream_tokens_left - queue.steps, 0.0)  # steps the streams still decode after the queue
+    steps_beside = min(math.ceil((req.prompt_len - start) / chunk), math.ceil(life_left))
+    beside_end = min(req.prompt_len, start + steps_beside * chunk)
+    _, tokens, work = prefill_work(start, beside_end, chunk)
+    c = d.coefficients
+    beside_s = (steps_beside * decode_step_s(d) + c.prefill_token_s * tokens + c.prefill_attention_s * work)
+    alone = _prefill(_idle(d), beside_end, req.prompt_len).seconds if beside_end < req.prompt_len else 0.0
+    ttft = queue.seconds + beside_s + alone
+    tpot = _own_tpot(req, d, 0, 0.0)
+    after = decode_step_s(d, req.num_sequences * req.decode_cost, req.num_sequences * req.prompt_len)
+    step_beside = beside_s / steps_beside if steps_beside else after
+    busy_s = queue.steps * queue.step_s + steps_beside * step_beside
+    busy_steps = queue.steps + steps_beside
+    streams = _streams_tpot(d, busy_steps, busy_s / busy_steps if busy_steps else after, after)
+    return Candidate("background", d.replica_id, d.replica_id, Prediction(ttft, tpot, streams), chunk,
+                     num_streams=d.num_streams)
+
+
+def whole(req: RequestShape, p: ReplicaLoad, cached: int) -> Candidate:
+    """Prefill and decode on the prefill replica `p` (which has no streams of its own)."""
+    prefill = _prefill(p, _start(req, cached), req.prompt_len)
+    tpot = _own_tpot(req, p, 0, 0.0)
+    return Candidate("whole", p.replica_id, p.replica_id, Prediction(prefill.seconds, tpot, 0.0))
+
+
+def _start(req: RequestShape, cached: int) -> int:
+    return 0 if req.prompt_logprobs else min(cached, req.prompt_len - 1)
+
+
+def _idle(r: ReplicaLoad) -> ReplicaLoad:
+    """`r` with its queue and streams gone (a background prefill's last part)."""
+    return ReplicaLoad(r.replica_id, r.role, r.coefficients, r.chunk_tokens)

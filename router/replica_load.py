@@ -1,0 +1,58 @@
+"""One replica as a prediction sees it: its learned step model and its queue.
+
+`ReplicaLoad` is built by `ClusterView.load_of` from the replica's last heartbeat (the
+step-cost model it fitted, the prompt tokens it has waiting, the streams it decodes,
+the KV transfer costs it measured) combined with what this router sent it since that
+heartbeat, so several router replicas stay consistent with each other. It is plain data:
+`router/predict.py` prices candidates from it and a simulator can build it directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from workers.engine.cost_model import DEFAULT_COEFFICIENTS, StepCoefficients
+from workers.engine.transfer_cost import DEFAULT_TRANSFER, TransferCoefficients
+
+DEFAULT_CHUNK_TOKENS = 1024
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    replica_id: str
+    role: str  # "prefill" | "decode"
+    coefficients: StepCoefficients = DEFAULT_COEFFICIENTS
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # the engine's token budget per step
+    queue_tokens: int = 0  # prompt tokens waiting for compute ahead of a new request
+    queue_work: int = 0  # their attention work (chunk tokens x context), in the engine's chunking
+    num_streams: int = 0  # sequences past their prompt, decoding
+    stream_context: int = 0  # their context tokens, in total
+    stream_tokens_left: float = 0.0  # tokens each stream still has to generate, on average
+    stream_tpot_slo_s: float | None = None  # the tightest TPOT objective among those streams
+    num_requests: int = 0  # running + waiting: an idle replica has none
+    kv_bytes_per_token: int = 0
+    address: str | None = None  # the advertised KV transport address (a transfer's peer)
+    # prefill replicas: the exposed transfer tail per decode peer address, "*" for any
+    transfers: dict[str, TransferCoefficients] = field(default_factory=dict)
+
+    def transfer_to(self, peer: str | None) -> TransferCoefficients:
+        return self.transfers.get(peer or "") or self.transfers.get("*") or DEFAULT_TRANSFER
+
+
+def from_stats(replica_id: str, role: str, stats: dict, address: str | None = None) -> ReplicaLoad:
+    """What a heartbeat's stats say, with defaults for a replica that reports no model yet."""
+    model = stats.get("step_model")
+    coefficients = StepCoefficients.from_dict(model) if isinstance(model, dict) else DEFAULT_COEFFICIENTS
+    streams = int(stats.get("num_decoding", 0))
+    left = float(stats.get("decode_tokens_remaining", 0)) / streams if streams else 0.0
+    transfers = {peer: TransferCoefficients.from_dict(c)
+                 for peer, c in (stats.get("transfer_model") or {}).items() if isinstance(c, dict)}
+    return ReplicaLoad(
+        replica_id, role, coefficients,
+        chunk_tokens=int(stats.get("max_num_batched_tokens", DEFAULT_CHUNK_TOKENS)),
+        queue_tokens=int(stats.get("prompt_tokens_waiting", 0)),
+        queue_work=int(stats.get("prompt_attention_waiting", 0)),
+        num_streams=streams, stream_context=int(stats.get("decode_context_tokens", 0)),
+        stream_tokens_left=left,
+        num_requests=int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0)),
+        kv_bytes_per_token=int(stats.get("kv_bytes_per_token", 0)), address=address, transfers=transfers)

@@ -1,0 +1,73 @@
+"""Which policy applies to a request, and the way it runs with what the router expects.
+
+A permitted client `x-pd-mode` first, then the profile's `mode`. `auto` decides from the
+predictions itself; `threshold`, `local` and `disagg` decide by their rules and the
+matching candidate is priced afterwards, so every response carries a prediction for the
+route it took whatever the mode (router/predict.py, corrected as `auto` corrects it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from router.auto_policy import AutoPolicy, candidates, corrected
+from router.corrections import EMPTY, LearnedState
+from router.policy import (
+    DisaggPolicy,
+    LocalPolicy,
+    RouteContext,
+    RouteDecision,
+    RoutingPolicy,
+    ThresholdPolicy,
+)
+from router.predict import Candidate
+
+_FIXED = {"local": LocalPolicy, "disagg": DisaggPolicy, "threshold": ThresholdPolicy}
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicySettings:
+    """The router-wide knobs of `auto` (RouterSettings)."""
+
+    explore_fraction: float = 0.02
+    stale_after_s: float = 20.0
+
+
+def policy_for(ctx: RouteContext, state: LearnedState = EMPTY, now: float = 0.0,
+               settings: PolicySettings = PolicySettings()) -> RoutingPolicy:
+    mode, reason = (ctx.forced_mode, "forced") if ctx.forced_mode is not None else (ctx.profile.mode, "profile")
+    if mode == "auto":
+        return AutoPolicy(state, now, settings.explore_fraction, settings.stale_after_s)
+    if mode == "threshold":
+        return ThresholdPolicy()
+    return _FIXED[mode](reason=reason)
+
+
+def decide(ctx: RouteContext, state: LearnedState = EMPTY, now: float = 0.0,
+           settings: PolicySettings = PolicySettings()) -> RouteDecision:
+    """Where this request prefills, with the candidate it runs as and its prediction.
+    Pure: a function of the context, the learned state and the clock."""
+    decision = policy_for(ctx, state, now, settings).decide(ctx)
+    if decision.candidate is not None:
+        return decision
+    candidate = _matching(decision, candidates(ctx))
+    if candidate is None:
+        return decision
+    return dataclasses.replace(decision, candidate=candidate, prediction=corrected(candidate, state, now))
+
+
+def _matching(decision: RouteDecision, options: list[Candidate]) -> Candidate | None:
+    """The candidate a fixed rule's decision runs as: remote on the least-loaded prefill
+    replica; local whole on an idle prefill replica where the placement offers one, else
+    in the background when the rule says so (at the engine's own chunk size), else the
+    foreground."""
+    by_kind: dict[str, Candidate] = {}
+    for c in options:
+        by_kind.setdefault(c.kind, c)  # remote: the first is the least loaded
+    if decision.route == "disagg":
+        return by_kind.get("remote")
+    if "whole" in by_kind:
+        return by_kind["whole"]
+    if decision.yield_prefill and "background" in by_kind:
+        return dataclasses.replace(by_kind["background"], chunk_tokens=None)
+    return by_kind.get("local")
