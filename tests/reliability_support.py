@@ -76,8 +76,8 @@ def app_config(model_dir: Path, secret_files: dict) -> dict:
         "transport": {"backend": "zmq", "host": "127.0.0.1", "transfer_timeout_s": 3.0},
         "limits": {"default_max_tokens": 4, "max_tokens_limit": 1500},
         "admission": {"max_concurrent_requests": 12, "max_queued_requests": 6, "queue_timeout_s": 10},
-        "workloads": {"default": {"mode": "auto", "min_remote_prefill_tokens": 32},
-                      "tight": {"mode": "auto", "min_remote_prefill_tokens": 32, "deadline_s": 1.0},
+        "workloads": {"default": {"mode": "threshold", "min_remote_prefill_tokens": 32},
+                      "tight": {"mode": "threshold", "min_remote_prefill_tokens": 32, "deadline_s": 1.0},
                       "batch": {"mode": "local"}},
         "secrets": secret_files,
         "faults": {"enabled": True},  # test hooks on; no fault until a test sets one

@@ -30,9 +30,9 @@ def cluster_url(ray_cluster, tiny_model_dir):
         "decode": {"num_replicas": 2, "num_cpus": 0.25},
         "router": {"num_cpus": 0.25, "heartbeat_timeout_s": 1.0, "prefill_timeout_s": 5.0},
         "transport": {"backend": "zmq", "host": "127.0.0.1"},
-        "workloads": {"default": {"mode": "auto", "min_remote_prefill_tokens": 32},
+        "workloads": {"default": {"mode": "threshold", "min_remote_prefill_tokens": 32},
                       # every long prompt spills to a decode replica, in the background
-                      "spill": {"mode": "auto", "min_remote_prefill_tokens": 32, "max_prefill_queue": 0,
+                      "spill": {"mode": "threshold", "min_remote_prefill_tokens": 32, "max_prefill_queue": 0,
                                 "max_local_prefill_tokens_while_decoding": 0}},
     }
     serve.run(build_app(args), name=APP, route_prefix="/")
@@ -149,7 +149,7 @@ def _background_prefills(url: str) -> float:
 
 
 def test_a_spilled_prompt_prefills_in_the_background_token_identically(cluster_url, tiny_model_dir):
-    """`auto` spills a long prompt to a decode replica (prefill-busy), where the engine
+    """`threshold` spills a long prompt to a decode replica (prefill-busy), where the engine
     runs it as a background prefill (yield_to_decode); the tokens do not change."""
     from workers.engine.llm_engine import LLMEngine
     from workers.engine.sampling_params import SamplingParams

@@ -31,7 +31,7 @@ def _config(model_dir, token_file, **overrides):
         "secrets": {"admin_token_file": str(token_file)},
         "limits": {"default_max_tokens": DEFAULT_MAX_TOKENS, "max_tokens_limit": MAX_TOKENS_LIMIT},
         "workloads": {
-            "default": {"min_remote_prefill_tokens": 32},
+            "default": {"mode": "threshold", "min_remote_prefill_tokens": 32},
             "locked": {"mode": "local", "allow_client_override": False},
             "rag": {"mode": "disagg"},
         },
@@ -109,7 +109,7 @@ def test_greedy_tokens_identical_local_and_disagg(client):
     assert outs["local"] == outs["disagg"]
 
 
-def test_auto_routes_by_prompt_length(client):
+def test_threshold_routes_by_prompt_length(client):
     short = complete(client, "hi")
     assert (short.headers["x-pd-route"], short.headers["x-pd-reason"]) == ("local", "short-prompt")
     long = complete(client, "a fresh long prompt that nobody sent before " * 2)
@@ -204,7 +204,7 @@ def test_admin_auth_and_toggle_reaches_every_router_within_2s(client):
     assert listed["workloads"]["rag"]["mode"] == "disagg"
     assert_openai_error(client.put("/admin/workloads/rag", json={"mode": "local"}, headers=auth), 400)
     profile = {"mode": "local", "min_remote_prefill_tokens": 1, "max_prefill_queue": 1,
-               "allow_client_override": False}
+               "allow_client_override": False, "slo": {"ttft_ms": 500.0, "tpot_ms": 50.0}}
     changed_at = time.monotonic()
     r = client.put("/admin/workloads/rag", json=profile, headers=auth)
     assert r.status_code == 200 and r.json()["version"] > listed["version"]
@@ -233,7 +233,9 @@ def test_metrics_show_every_name_after_traffic(client):
     assert not missing, f"missing from /metrics: {missing}"
     assert 'pool="decode"' in text and 'pool="prefill"' in text
     assert not any(s.startswith("pdc_") and s.split("_")[1] not in
-                   ("time", "inter", "e2e", "route", "kv", "prefix", "num", "worker", "export", "prompt") for s in samples)
+                   ("time", "inter", "e2e", "route", "kv", "prefix", "num", "worker", "export", "prompt",
+                    "prediction", "policy") for s in samples)
+    assert {"pdc_prediction_abs_pct_error_bucket", "pdc_policy_correction_factor"} <= samples, samples
 
 
 def test_generate_travels_over_the_worker_stream(client):
@@ -624,6 +626,62 @@ def test_admin_steps_lists_every_replicas_step_and_transfer_records(client):
     assert all(len(r["steps"]) <= 1 and len(r["transfers"]) <= 1 for r in newest.values())
     future = client.get(f"/admin/steps?since={time.time() + 3600}", headers=auth).json()["replicas"]
     assert future.keys() == replicas.keys() and not any(r["steps"] or r["transfers"] for r in future.values())
+
+
+def _predicted(r) -> tuple[float, float]:
+    return float(r.headers["x-pd-predicted-ttft-ms"]), float(r.headers["x-pd-predicted-tpot-ms"])
+
+
+@pytest.mark.parametrize("mode", ["auto", "threshold", "local", "disagg"])
+def test_every_response_carries_the_routes_predictions(client, mode):
+    headers = {"x-pd-mode": mode}
+    r = complete(client, f"what does the {mode} route expect " * 3, headers=headers, max_tokens=4)
+    assert r.status_code == 200, r.text
+    ttft_ms, tpot_ms = _predicted(r)
+    assert 0 < ttft_ms < 60_000 and 0 < tpot_ms < 60_000
+    if mode in ("local", "disagg"):
+        assert r.headers["x-pd-route"] == mode
+    body = {"prompt": "a streamed answer predicts too", "max_tokens": 3, "stream": True, "temperature": 0}
+    with client.stream("POST", "/v1/completions", json=body, headers=headers) as streamed:
+        assert streamed.status_code == 200
+        assert all(v > 0 for v in _predicted(streamed))
+        streamed.read()
+
+
+def test_auto_explains_its_choice_with_an_slo_reason(client):
+    r = complete(client, "an auto request with the default objectives " * 2, headers={"x-pd-mode": "auto"})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-pd-reason"] in ("slo-local", "slo-disagg", "protect-streams", "no-route-meets-slo",
+                                        "explore")
+
+
+def test_admin_policy_shows_models_and_corrections_and_resets(client):
+    assert_openai_error(client.get("/admin/policy"), 401)
+    assert_openai_error(client.post("/admin/policy/reset"), 401)
+    auth = {"authorization": f"Bearer {TOKEN}"}
+    deadline = time.monotonic() + 30  # two router replicas: keep going until one answers with what it learned
+    while True:
+        for mode in ("local", "disagg"):
+            complete(client, f"teach the router replicas {time.monotonic()} " * 2, headers={"x-pd-mode": mode},
+                     max_tokens=4)
+        policy = client.get("/admin/policy", headers=auth).json()
+        learned = {rid: r for rid, r in policy["replicas"].items() if r.get("corrections")}
+        transfers = [r["transfer_model"] for r in policy["replicas"].values() if r.get("role") == "prefill"]
+        if (learned and any(transfers)) or time.monotonic() > deadline:
+            break
+    roles = {r["role"] for r in policy["replicas"].values() if "role" in r}
+    assert roles == {"prefill", "decode"}, policy
+    for replica in policy["replicas"].values():
+        if "role" in replica:
+            assert {"fixed_s", "prefill_token_s", "decode_seq_s", "num_samples"} <= replica["step_model"].keys()
+    assert learned, policy
+    entry = next(iter(next(iter(learned.values()))["corrections"].values()))
+    assert entry["factor"] > 0 and entry["num_samples"] >= 1 and entry["updated_at"] > 0
+    assert any("*" in t for t in transfers if t), transfers
+    assert policy["settings"]["default_slo"] == {"ttft_ms": 2000.0, "tpot_ms": 200.0}
+    reset = client.post("/admin/policy/reset", headers=auth).json()
+    assert reset["reset_at"] is not None
+    assert not any(r.get("corrections") for r in reset["replicas"].values()), reset
 
 
 @pytest.fixture()
