@@ -70,6 +70,9 @@ class EngineSettings(_Strict):
     max_num_seqs: int = Field(default=64, ge=1)
     max_num_batched_tokens: int = Field(default=1024, ge=1)
     enable_prefix_caching: bool = True
+    # Run a few synthetic requests at start-up (about a second on a CPU) so the step-cost
+    # model the router predicts with is fitted before the first real request.
+    warmup: bool = True
 
 
 class PoolConfig(_Strict):

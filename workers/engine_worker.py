@@ -80,10 +80,17 @@ class EngineWorker:
         pool = self._pool_config()
         if pool.torch_threads:
             torch.set_num_threads(pool.torch_threads)
-        settings = self.config.engine_for(self.role)  # type: ignore[arg-type]
+        settings = self.config.engine_for(self.role).model_dump()  # type: ignore[arg-type]
+        warm_up = settings.pop("warmup")
         model = self.config.model
-        return LLMEngine(str(resolve_model_path(self.config.model)), **settings.model_dump(),
-                         device=model.device, dtype=model.dtype)
+        engine = LLMEngine(str(resolve_model_path(self.config.model)), **settings,
+                           device=model.device, dtype=model.dtype)
+        if warm_up:  # the router predicts this replica's steps from the fit in its heartbeats
+            t0 = time.perf_counter()
+            coefficients = engine.warmup()
+            log.info("%s replica %s warmed up in %.2f s: step model %s", self.role, self.replica_id,
+                     time.perf_counter() - t0, coefficients.to_dict())
+        return engine
 
     def _pool_config(self) -> PoolConfig:
         return self.config.prefill if self.role == "prefill" else self.config.decode

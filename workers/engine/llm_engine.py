@@ -23,7 +23,7 @@ from workers.engine.attention import KVExport
 from workers.engine.best_of import BestOf, add_scores
 from workers.engine.best_of import holds as holds_best_of
 from workers.engine.block_manager import BlockManager
-from workers.engine.cost_model import StepCostFit
+from workers.engine.cost_model import StepCoefficients, StepCostFit
 from workers.engine.grammar import GrammarCompiler
 from workers.engine.kv_cache import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_MEMORY_FRACTION
 from workers.engine.kv_types import (
@@ -47,6 +47,7 @@ from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import DEFAULT_YIELD_TOKENS, ScheduledSeq, Scheduler
 from workers.engine.sequence import RequestOutput, Sequence, TokenLogprob
 from workers.engine.step_cost import StepCostModel, StepRecord
+from workers.engine.warmup import warmup
 
 
 class LLMEngine:
@@ -152,6 +153,12 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests or self._pending)
+
+    def warmup(self) -> StepCoefficients:
+        """Seed the step-cost fit from a few synthetic requests, leaving the engine as it
+        was otherwise (workers/engine/warmup.py); call it idle, at start-up."""
+        with self._lock:
+            return warmup(self)
 
     # -- stepping --------------------------------------------------------------------------
 
