@@ -4,7 +4,9 @@ its corrections and the prediction metrics; `GET /admin/policy` reads it back.""
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +17,8 @@ from router.metrics import RouterMetrics
 from router.placement import Placement, PolicyInputs
 from router.routing import PolicySettings
 
+RECENT_OUTCOMES = 8192
+
 
 class PolicyLearner:
     def __init__(self, settings: RouterSettings, metrics: RouterMetrics, router_id: str,
@@ -23,6 +27,8 @@ class PolicyLearner:
         self.corrections = Corrections()
         self.policy = PolicySettings(settings.explore_fraction, settings.stale_after_s)
         self.reset_at: float | None = None
+        # (route, metric, predicted as the headers said, measured) of recent requests
+        self.recent: deque[tuple[str, str, float, float]] = deque(maxlen=RECENT_OUTCOMES)
 
     def inputs(self, request_id: str, profile: WorkloadProfile) -> PolicyInputs:
         """What the policy reads for one request beside the view."""
@@ -38,8 +44,10 @@ class PolicyLearner:
         shown = placement.decision.prediction  # what the headers said (corrected)
         if shown is not None:
             self.metrics.observe_prediction(outcome.route, "ttft", shown.ttft_s, ttft_s)
+            self.recent.append((outcome.route, "ttft", shown.ttft_s, ttft_s))
             if outcome.measured_tpot_s is not None:
                 self.metrics.observe_prediction(outcome.route, "tpot", shown.tpot_s, outcome.measured_tpot_s)
+                self.recent.append((outcome.route, "tpot", shown.tpot_s, outcome.measured_tpot_s))
         now = self.clock()
         self.corrections.observe(outcome, now)
         state = self.corrections.snapshot()
@@ -49,7 +57,20 @@ class PolicyLearner:
 
     def reset(self) -> None:
         self.corrections.reset()
+        self.recent.clear()
         self.reset_at = time.time()
+
+    def prediction_error(self) -> dict[str, dict[str, float | int]]:
+        """Over the recent requests (since the last reset): per route, the median absolute
+        percentage error of the TTFT and TPOT predictions the headers carried, and counts."""
+        out: dict[str, dict[str, float | int]] = {}
+        for route in sorted({r for r, *_ in self.recent}):
+            for metric in ("ttft", "tpot"):
+                errors = [abs(p - m) / m for r, k, p, m in self.recent if r == route and k == metric and m > 0]
+                if errors:
+                    out.setdefault(route, {})[f"{metric}_mape"] = round(statistics.median(errors), 4)
+                    out[route][f"{metric}_samples"] = len(errors)
+        return out
 
     def describe(self, view: ClusterView) -> dict[str, Any]:
         """Per replica: the fitted step model and transfer costs it reported, this router's
@@ -74,7 +95,7 @@ class PolicyLearner:
                 "settings": {"explore_fraction": self.policy.explore_fraction,
                              "stale_after_s": self.policy.stale_after_s,
                              "default_slo": self.settings.default_slo.model_dump()},
-                "last_measured": last, "replicas": replicas}
+                "last_measured": last, "prediction_error": self.prediction_error(), "replicas": replicas}
 
 
 def outcome_of(placement: Placement, ttft_s: float, tpot_s: float | None) -> Outcome | None:
