@@ -95,3 +95,21 @@ def test_the_worker_warms_its_engine_up_unless_configured_off(tiny_model_dir, wa
     assert (engine.cost_fit.coefficients != DEFAULT_COEFFICIENTS) is warm
     assert engine.stats()["kv_blocks_free"] == 128 and not engine.step_records
     engine.check_integrity()
+
+
+def test_a_failed_warm_up_leaves_no_request_behind(make_engine, monkeypatch):
+    """The failure is injected (a step that raises once some requests are queued)."""
+    engine = make_engine()
+    real_step, calls = engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 5:
+            raise RuntimeError("injected")
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", failing_step)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.warmup()
+    assert not engine.requests and not engine.has_unfinished_requests()
+    assert engine.stats()["kv_blocks_free"] == 512 and engine.block_manager.enable_prefix_caching

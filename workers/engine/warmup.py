@@ -5,11 +5,11 @@ Synthetic requests (random token ids) run through the engine in waves, each cove
 what the fit must tell apart: short prompts prefill together and decode, a wide batch of
 short contexts; a long prompt and its half prefill beside them a step apart (chunks of
 several sizes, whole and partial, some at a context); then the two long ones decode on
-their own, a narrow batch of long contexts. The long prompt grows fourfold from wave to wave, from four blocks up to
-min(max_num_batched_tokens, max_model_len / 2), while the next wave is expected to end
-inside the time budget (the last one's time scaled by its tokens: a CPU stops early, a
-GPU runs them all). A first request only wakes the model up (lazy initialisation,
-allocator growth) and is not learned from.
+their own, a narrow batch of long contexts. The long prompt grows fourfold from wave to
+wave, from four blocks up to min(max_num_batched_tokens, max_model_len / 2), while the
+next wave is expected to end inside the time budget (the last one's time scaled by its
+tokens: a CPU stops early, a GPU runs them all). A first request only wakes the model up
+(lazy initialisation, allocator growth) and is not learned from.
 
 Afterwards the engine looks untouched: no requests, every block free, nothing of the
 warm-up in the prefix cache (it runs with prefix caching off), the counters as they
@@ -66,6 +66,9 @@ def warmup(engine: LLMEngine, budget_s: float = BUDGET_S, seed: int = 0) -> Step
             _run(engine, wave, seed + 1 + i)
             last_tokens, last_s = tokens, time.perf_counter() - started
         return engine.cost_fit.fit()
+    except BaseException:
+        _abort_all(engine)
+        raise
     finally:
         engine.block_manager.enable_prefix_caching = caching
         counters.restore(engine)
@@ -110,6 +113,13 @@ def _run(engine: LLMEngine, plan: list[WarmupRequest], seed: int) -> None:
             num_added += 1
         engine.step()
         step += 1
+
+
+def _abort_all(engine: LLMEngine) -> None:
+    """A failed warm-up leaves no request behind (nor its outputs, reported by a step)."""
+    for request_id in {seq.request_id for seq in engine.requests.values()}:
+        engine.abort_request(request_id)
+    engine.step()
 
 
 def _forget_costs(engine: LLMEngine) -> None:
