@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from collections import deque
 
 import pytest
@@ -71,7 +72,7 @@ def synthetic_records(peer: str, fixed_s: float, bytes_per_s: float, n: int, see
         num_bytes = rng.randint(1 << 14, 1 << 26)
         tail = (fixed_s + num_bytes / bytes_per_s) * rng.uniform(1 - noise, 1 + noise)
         # `seconds` (the whole transfer) is larger; the model must fit the tail only
-        records.append(TransferRecord(f"{peer}-{i}", num_bytes, 4, "tcp", 1000.0 + i, tail + 0.5, tail, peer))
+        records.append(TransferRecord(f"{peer}-{i}", num_bytes, 4, "tcp", time.time() - 10 + 0.01 * i, tail + 0.5, tail, peer))
     return records
 
 
@@ -105,3 +106,16 @@ def test_records_after_the_last_one_learned():
     assert records_after(sent, records[3]) == records[4:6]
     sent.extend(records[6:10])  # the last one learned evicted too: every record held is new
     assert records_after(sent, records[5]) == records[6:10]
+
+
+def test_tail_samples_age_out_to_the_default():
+    """A link measured slow and not used since is predicted from the default again."""
+    from workers.engine.transfer_cost import DEFAULT_TRANSFER, TransferCostFit
+
+    fit = TransferCostFit(max_age_s=30.0)
+    old = time.time() - 100.0
+    for size in (1e5, 2e5, 4e5, 8e5):
+        fit.observe(size, 0.5 + size / 1e6, at=old)
+    assert fit.coefficients == DEFAULT_TRANSFER
+    fit.observe(1e5, 0.6)
+    assert fit.coefficients.num_samples == 1 and fit.predict(1e5) > DEFAULT_TRANSFER.fixed_s

@@ -7,10 +7,15 @@ samples, minimising the relative error sum(((pred - s) / s)^2) with fixed_s >= 0
 1 / bytes_per_s >= 0. A pair never seen predicts from the pooled fit over all pairs,
 and with no samples at all from `DEFAULT_TRANSFER`. `TransferTails` is a prefill
 replica's: it learns from its sender's `TransferRecord`s.
+
+A fit may forget samples older than `max_age_s`: a link measured slow a minute ago and
+not used since is predicted from the default again, so a router that stopped sending
+transfers over it because it was slow tries it again instead of avoiding it forever.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -20,6 +25,7 @@ import numpy as np
 from workers.engine.cost_model import nnls_relative
 
 WINDOW = 512
+TAIL_MAX_AGE_S = 60.0  # a prefill replica's tail samples are forgotten after this
 MIN_FULL_FIT = 4  # fewer samples, or one size only: bandwidth with the default fixed cost
 
 
@@ -48,29 +54,45 @@ DEFAULT_TRANSFER = TransferCoefficients(0.002, 1e9)
 class TransferCostFit:
     """Online fit of fixed + bytes / bandwidth over the last `window` samples."""
 
-    def __init__(self, window: int = WINDOW, default: TransferCoefficients = DEFAULT_TRANSFER) -> None:
+    def __init__(self, window: int = WINDOW, default: TransferCoefficients = DEFAULT_TRANSFER,
+                 max_age_s: float | None = None) -> None:
         self._bytes: deque[float] = deque(maxlen=window)
         self._seconds: deque[float] = deque(maxlen=window)
+        self._at: deque[float] = deque(maxlen=window)  # time.time() of each sample
         self._default = default
         self._coefficients = default
+        self._max_age_s = max_age_s
         self._stale = False
 
     @property
     def coefficients(self) -> TransferCoefficients:
+        self._expire(time.time())
         if self._stale:
             self.fit()
         return self._coefficients
 
-    def observe(self, num_bytes: float, seconds: float) -> None:
+    def observe(self, num_bytes: float, seconds: float, at: float | None = None) -> None:
         if seconds > 0 and num_bytes >= 0:
             self._bytes.append(float(num_bytes))
             self._seconds.append(float(seconds))
+            self._at.append(time.time() if at is None else at)
+            self._stale = True
+
+    def _expire(self, now: float) -> None:
+        if self._max_age_s is None:
+            return
+        while self._at and self._at[0] < now - self._max_age_s:
+            self._at.popleft()
+            self._bytes.popleft()
+            self._seconds.popleft()
             self._stale = True
 
     def fit(self) -> TransferCoefficients:
         self._stale = False
         if self._seconds:
             self._coefficients = fit_transfer(np.array(self._bytes), np.array(self._seconds), self._default)
+        else:
+            self._coefficients = self._default  # every sample aged out
         return self._coefficients
 
     def predict(self, num_bytes: float) -> float:
@@ -96,17 +118,19 @@ def fit_transfer(num_bytes: np.ndarray, seconds: np.ndarray,
 class TransferCosts:
     """Transfer fits keyed by (prefill, decode) replica pair, plus the pooled fit."""
 
-    def __init__(self, window: int = WINDOW, default: TransferCoefficients = DEFAULT_TRANSFER) -> None:
-        self._window, self._default = window, default
+    def __init__(self, window: int = WINDOW, default: TransferCoefficients = DEFAULT_TRANSFER,
+                 max_age_s: float | None = None) -> None:
+        self._window, self._default, self._max_age_s = window, default, max_age_s
         self._pairs: dict[tuple[str, str], TransferCostFit] = {}
-        self._pooled = TransferCostFit(window, default)
+        self._pooled = TransferCostFit(window, default, max_age_s)
 
-    def observe(self, prefill_id: str, decode_id: str, num_bytes: float, seconds: float) -> None:
+    def observe(self, prefill_id: str, decode_id: str, num_bytes: float, seconds: float,
+                at: float | None = None) -> None:
         pair = (prefill_id, decode_id)
         if pair not in self._pairs:
-            self._pairs[pair] = TransferCostFit(self._window, self._default)
-        self._pairs[pair].observe(num_bytes, seconds)
-        self._pooled.observe(num_bytes, seconds)
+            self._pairs[pair] = TransferCostFit(self._window, self._default, self._max_age_s)
+        self._pairs[pair].observe(num_bytes, seconds, at)
+        self._pooled.observe(num_bytes, seconds, at)
 
     def fit_for(self, prefill_id: str, decode_id: str) -> TransferCostFit:
         """The pair's own fit; the pooled one for a pair never seen."""
@@ -136,16 +160,16 @@ class TransferTails:
     `learn` takes the sender's whole record deque and feeds only the records it has not
     seen, so the transfer path keeps no hook and the replica learns when it reports."""
 
-    def __init__(self, prefill_id: str, window: int = WINDOW) -> None:
+    def __init__(self, prefill_id: str, window: int = WINDOW, max_age_s: float | None = TAIL_MAX_AGE_S) -> None:
         self.prefill_id = prefill_id
-        self.costs = TransferCosts(window)
+        self.costs = TransferCosts(window, max_age_s=max_age_s)
         self._last = None  # the newest record fed
 
     def learn(self, records: Iterable) -> int:
         """Feed the records after the last one fed; returns how many."""
         new = records_after(records, self._last)
         for r in new:
-            self.costs.observe(self.prefill_id, r.peer, r.num_bytes, r.tail_seconds)
+            self.costs.observe(self.prefill_id, r.peer, r.num_bytes, r.tail_seconds, r.start_time + r.seconds)
         if new:
             self._last = new[-1]
         return len(new)
