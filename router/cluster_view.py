@@ -68,6 +68,9 @@ class ClusterView:
         self.backlog_work: Counter[str] = Counter()  # their attention work (router/predict.py)
         self.since: dict[str, _Since] = {}  # per replica: this router's prompts since its last heartbeat
         self.stream_slos: dict[str, Counter[float]] = {}  # per replica: TPOT objectives of its streams
+        # per replica: its heartbeat parsed (`from_stats`), once per heartbeat rather than per
+        # candidate per request (a prefill replica's transfer model has a fit per decode peer)
+        self._heartbeat_loads: dict[str, tuple[ReplicaInfo, ReplicaLoad]] = {}
 
     def update(self, replicas: list[ReplicaInfo]) -> None:
         old = self.replicas
@@ -79,11 +82,12 @@ class ClusterView:
             del self.since[gone]
         self.excluded.clear()
         self.index.retain(self.replicas)
+        self._heartbeat_loads.clear()
 
     def load_of(self, replica: ReplicaInfo) -> ReplicaLoad:
         """The replica's step model and queue, its heartbeat combined with this router's requests."""
         rid = replica.replica_id
-        base = from_stats(rid, replica.role, replica.stats, replica.address)
+        base = self._heartbeat_load(replica)
         since = self.since.get(rid) or _Since()
         streams = max(base.num_streams, self.num_streams(replica))
         per_stream = base.stream_context / base.num_streams if base.num_streams else 0.0
@@ -94,6 +98,16 @@ class ClusterView:
             queue_work=max(self.backlog_work[rid], base.queue_work + since.sent_work - since.done_work),
             num_streams=streams, stream_context=int(base.stream_context + (streams - base.num_streams) * per_stream),
             num_requests=self.load(replica), stream_tpot_slo_s=min(slos) if slos else None)
+
+    def _heartbeat_load(self, replica: ReplicaInfo) -> ReplicaLoad:
+        """`from_stats` of the replica's last heartbeat (its stats are never changed in place:
+        `update` brings new `ReplicaInfo`s)."""
+        cached = self._heartbeat_loads.get(replica.replica_id)
+        if cached is not None and cached[0] is replica:
+            return cached[1]
+        base = from_stats(replica.replica_id, replica.role, replica.stats, replica.address)
+        self._heartbeat_loads[replica.replica_id] = (replica, base)
+        return base
 
     def stream_address(self, replica_id: str | None) -> str | None:
         """The replica's advertised worker stream (workers/stream/client.py), if any."""

@@ -129,12 +129,20 @@ def _cached(view: ClusterView, replica: ReplicaInfo, hits: list[int], prompt_ids
 
 
 def _choose_decode(view: ClusterView, decodes: list[ReplicaInfo], hashes: list[int]) -> tuple[ReplicaInfo, int]:
-    least = min(decodes, key=view.load)
-    hits = {r.replica_id: view.index.num_matched_blocks(r.replica_id, hashes) for r in decodes}
-    best = max(decodes, key=lambda r: (hits[r.replica_id], -view.load(r)))
-    if hits[best.replica_id] == 0 or view.load(best) - view.load(least) > AFFINITY_MAX_IMBALANCE:
-        return least, hits[least.replica_id]
-    return best, hits[best.replica_id]
+    # One pass (this runs over every decode replica per request): the first of the least
+    # loaded, and the first of those with the longest hit, the least loaded among them.
+    least = best = decodes[0]
+    least_load = best_load = view.load(least)
+    best_hit = least_hit = view.index.num_matched_blocks(least.replica_id, hashes)
+    for r in decodes[1:]:
+        load, hit = view.load(r), view.index.num_matched_blocks(r.replica_id, hashes)
+        if load < least_load:
+            least, least_load, least_hit = r, load, hit
+        if hit > best_hit or (hit == best_hit and load < best_load):
+            best, best_load, best_hit = r, load, hit
+    if best_hit == 0 or best_load - least_load > AFFINITY_MAX_IMBALANCE:
+        return least, least_hit
+    return best, best_hit
 
 
 def _has_room(view: ClusterView, replica: ReplicaInfo, prompt_len: int, max_tokens: int, hit_blocks: int,
