@@ -94,8 +94,8 @@ class ClusterView:
         slos = self.stream_slos.get(rid)
         return dataclasses.replace(
             base,
-            queue_tokens=max(self.backlog[rid], base.queue_tokens + since.sent_tokens - since.done_tokens),
-            queue_work=max(self.backlog_work[rid], base.queue_work + since.sent_work - since.done_work),
+            queue_tokens=max(self.backlog.get(rid, 0), base.queue_tokens + since.sent_tokens - since.done_tokens),
+            queue_work=max(self.backlog_work.get(rid, 0), base.queue_work + since.sent_work - since.done_work),
             num_streams=streams, stream_context=int(base.stream_context + (streams - base.num_streams) * per_stream),
             num_requests=self.load(replica), stream_tpot_slo_s=min(slos) if slos else None)
 
@@ -125,11 +125,14 @@ class ClusterView:
                 and r.stats.get("healthy", True) and r.replica_id not in self.excluded]
 
     def load(self, replica: ReplicaInfo) -> int:
-        return max(replica.load, self.inflight[replica.replica_id])
+        # `get`, not `[]`: a Counter's missing key costs a Python call, and this runs per
+        # replica per request
+        return max(replica.load, self.inflight.get(replica.replica_id, 0))
 
     def num_streams(self, replica: ReplicaInfo) -> int:
         """Sequences this router has past their first token on `replica`."""
-        return max(0, self.inflight[replica.replica_id] - self.awaiting_first[replica.replica_id])
+        rid = replica.replica_id
+        return max(0, self.inflight.get(rid, 0) - self.awaiting_first.get(rid, 0))
 
     # In-flight bookkeeping of one placed request: begin, first_token/prefill_done, end.
     def begin(self, placement: Placement) -> None:

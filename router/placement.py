@@ -129,19 +129,27 @@ def _cached(view: ClusterView, replica: ReplicaInfo, hits: list[int], prompt_ids
 
 
 def _choose_decode(view: ClusterView, decodes: list[ReplicaInfo], hashes: list[int]) -> tuple[ReplicaInfo, int]:
-    # One pass (this runs over every decode replica per request): the first of the least
-    # loaded, and the first of those with the longest hit, the least loaded among them.
+    """The replica with the longest cached prefix (the least loaded of those), unless it is
+    much busier than the least loaded one; and its hit in blocks. One pass over the pool
+    (this runs per request): the first of the least loaded, and the first of those with
+    the longest hit."""
+    index = view.index
     least = best = decodes[0]
     least_load = best_load = view.load(least)
-    best_hit = least_hit = view.index.num_matched_blocks(least.replica_id, hashes)
+    best_hit = index.num_matched_blocks(least.replica_id, hashes)
     for r in decodes[1:]:
-        load, hit = view.load(r), view.index.num_matched_blocks(r.replica_id, hashes)
+        load = view.load(r)
         if load < least_load:
-            least, least_load, least_hit = r, load, hit
+            least, least_load = r, load
+        # A longer run than the best's holds block `best_hit`; without it, r wins only a
+        # tie at less load. So a replica as busy that lacks that block is not scanned.
+        if load >= best_load and (best_hit >= len(hashes) or not index.holds(r.replica_id, hashes[best_hit])):
+            continue
+        hit = index.num_matched_blocks(r.replica_id, hashes)
         if hit > best_hit or (hit == best_hit and load < best_load):
             best, best_load, best_hit = r, load, hit
     if best_hit == 0 or best_load - least_load > AFFINITY_MAX_IMBALANCE:
-        return least, least_hit
+        return least, best_hit if least is best else index.num_matched_blocks(least.replica_id, hashes)
     return best, best_hit
 
 

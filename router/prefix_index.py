@@ -32,6 +32,11 @@ class PrefixIndex:
             n += 1
         return n
 
+    def holds(self, replica_id: str, block_hash: int) -> bool:
+        """Whether `replica_id` holds this one block (not necessarily the blocks before it)."""
+        held = self._blocks.get(replica_id)
+        return held is not None and block_hash in held
+
     def insert(self, replica_id: str, hashes: Sequence[int]) -> None:
         held = self._blocks.setdefault(replica_id, OrderedDict())
         for h in hashes:
