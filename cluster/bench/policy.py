@@ -1,0 +1,310 @@
+"""`pdcluster bench policy`: how long the router takes to decide where one request runs.
+
+No Ray, no engine: one `ClusterView` of `num_replicas` replicas (half prefill, half decode
+by default) whose heartbeats carry what real ones do — a fitted step model per replica,
+random queues and streams, KV sizes and, on prefill replicas, transfer models keyed by
+every decode replica's address — refreshed every half second of simulated time (200
+requests/s arrive). Each request (prompts of 16..4096 tokens, log-uniform; some extend a
+shared system prompt or an earlier conversation, so the prefix index has hits; some
+n > 1, prompt logprobs or a grammar) is placed, begun in the view, gets its first token
+and ends some requests later, and its outcome (the prediction times a per-replica bias
+and noise) feeds the router's `Corrections`, seeded beforehand for every replica.
+
+Only `place()` is timed (`time.perf_counter_ns`): choosing the decode replica over the
+prefix index, pricing every candidate and deciding. Its thread CPU time is reported too:
+on a shared machine the wall-clock tail holds the time other processes took the core.
+The same requests and heartbeats run in mode `auto` and, for comparison, `threshold`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import os
+import random
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from cluster.config import SLO, WorkloadProfile
+from router.cluster_view import ClusterView, ReplicaInfo
+from router.corrections import Corrections, Outcome
+from router.learning import outcome_of
+from router.placement import Placement, PolicyInputs, place
+from router.policy import RequestWork
+from workers.engine.cost_model import prefill_work
+
+Log = Callable[[str], None]
+MODES = ("auto", "threshold")
+TARGET_P99_MS = 1.0  # auto, at 64 replicas
+REQUEST_RATE = 200.0  # arrivals per simulated second
+HEARTBEAT_S = 0.5
+VOCAB = 32_000
+MAX_PROMPT_LEN = 4096
+NUM_SYSTEM_PROMPTS = 16
+SLOS = (SLO(ttft_ms=1000, tpot_ms=50), SLO(ttft_ms=2000, tpot_ms=200), SLO(ttft_ms=10_000, tpot_ms=100))
+KV_BYTES_PER_TOKEN = 131_072  # 32 layers x 8 KV heads x 128 x (K, V) x fp16
+
+
+@dataclass(frozen=True)
+class PolicyBenchConfig:
+    num_replicas: int = 64
+    num_prefill: int | None = None  # None: half of them
+    num_decisions: int = 5000  # timed, per mode
+    num_warmup: int = 500  # untimed, per mode, after the corrections are seeded
+    seed: int = 0
+    block_size: int = 16
+    max_num_seqs: int = 64
+
+    @property
+    def prefill_count(self) -> int:
+        return self.num_replicas // 2 if self.num_prefill is None else self.num_prefill
+
+
+@dataclass(frozen=True)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    work: RequestWork
+    slo: SLO
+
+
+def run_benchmark(cfg: PolicyBenchConfig, log: Log = lambda _msg: None) -> dict:
+    started, load_start = time.perf_counter(), os.getloadavg()
+    results = {}
+    for mode in MODES:
+        results[mode] = run_mode(cfg, mode)
+        r = results[mode]
+        log(f"{mode:9s} p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms  max {r['max_ms']:.3f} ms  "
+            f"(CPU p99 {r['cpu_p99_ms']:.3f} ms)  {r['decisions_per_s']:,.0f} decisions/s  routes {r['routes']}")
+    p99 = results["auto"]["p99_ms"]
+    return {"bench": "policy", "results": results,
+            "targets": {"auto_place_p99_ms": {"value": p99, "limit": TARGET_P99_MS, "met": p99 < TARGET_P99_MS}},
+            "setup": {**asdict(cfg), "num_prefill": cfg.prefill_count, "num_decode": cfg.num_replicas - cfg.prefill_count,
+                      "request_rate": REQUEST_RATE, "heartbeat_s": HEARTBEAT_S, "max_prompt_len": MAX_PROMPT_LEN},
+            "machine": {"cores": os.cpu_count(), "loadavg_start": [round(x, 2) for x in load_start],
+                        "loadavg_end": [round(x, 2) for x in os.getloadavg()]},
+            "run_time_s": round(time.perf_counter() - started, 1)}
+
+
+def run_mode(cfg: PolicyBenchConfig, mode: str) -> dict:
+    """One mode over the seeded requests and heartbeats: the figures of the timed decisions."""
+    sim = Simulation(cfg, WorkloadProfile(mode=mode))
+    sim.seed_corrections()
+    for _ in range(cfg.num_warmup):
+        sim.decide()
+    times_ns, cpu_ns, mix = [], [], Mix()
+    for _ in range(cfg.num_decisions):
+        placement, ns, cpu = sim.decide()
+        times_ns.append(ns)
+        cpu_ns.append(cpu)
+        mix.count(placement)  # not kept: a heap of old placements would slow the garbage collector
+    return summary(times_ns, cpu_ns, mix)
+
+
+@dataclass
+class Mix:
+    """What the timed decisions chose."""
+
+    routes: Counter = field(default_factory=Counter)
+    kinds: Counter = field(default_factory=Counter)
+    reasons: Counter = field(default_factory=Counter)
+    num_prefix_hits: int = 0
+
+    def count(self, placement: Placement) -> None:
+        d = placement.decision
+        self.routes[d.route] += 1
+        self.kinds[d.candidate.kind if d.candidate else "none"] += 1
+        self.reasons[d.reason] += 1
+        self.num_prefix_hits += placement.num_cached_tokens > 0
+
+
+def summary(times_ns: list[int], cpu_ns: list[int], mix: Mix) -> dict:
+    ms, cpu_ms = sorted(t / 1e6 for t in times_ns), sorted(t / 1e6 for t in cpu_ns)
+    return {"num_decisions": len(ms), "p50_ms": round(_quantile(ms, 0.5), 4), "p99_ms": round(_quantile(ms, 0.99), 4),
+            "max_ms": round(ms[-1], 4), "mean_ms": round(statistics.fmean(ms), 4),
+            "decisions_per_s": round(len(ms) / (sum(times_ns) / 1e9), 1),
+            "cpu_p50_ms": round(_quantile(cpu_ms, 0.5), 4), "cpu_p99_ms": round(_quantile(cpu_ms, 0.99), 4),
+            "routes": dict(mix.routes.most_common()), "kinds": dict(mix.kinds.most_common()),
+            "reasons": dict(mix.reasons.most_common()), "prefix_hit_fraction": round(mix.num_prefix_hits / len(ms), 3)}
+
+
+def _quantile(sorted_values: list[float], q: float) -> float:
+    return sorted_values[min(len(sorted_values) - 1, math.ceil(q * len(sorted_values)) - 1)]
+
+
+class Simulation:
+    """The view, the corrections and the requests in flight of one router replica.
+
+    Three seeded streams, so both modes see the same requests and heartbeats whatever
+    they decide: `requests`, `heartbeats`, and `outcomes` (lifetimes, measurements)."""
+
+    def __init__(self, cfg: PolicyBenchConfig, profile: WorkloadProfile) -> None:
+        self.cfg, self.profile = cfg, profile
+        self.requests = Workload(cfg.seed, cfg.block_size)
+        self.heartbeats = Heartbeats(cfg)
+        self.outcomes = random.Random(cfg.seed + 2)
+        self.view = ClusterView(cfg.block_size, cfg.max_num_seqs)
+        self.view.update(self.heartbeats.next(0.0))
+        self.corrections = Corrections()
+        self.now, self.next_heartbeat, self.num_decided = 0.0, HEARTBEAT_S, 0
+        self.pending: list[tuple[int, int, str, Placement]] = []  # (due decision, tiebreak, event, placement)
+        # how much slower than predicted each replica really is (what the corrections learn)
+        self.bias = {r.replica_id: math.exp(self.outcomes.gauss(0.0, 0.3)) for r in self.view.replicas.values()}
+
+    def seed_corrections(self) -> None:
+        """A few measured requests per replica and route, as after minutes of traffic."""
+        replicas = list(self.view.replicas.values())
+        decodes = [r.replica_id for r in replicas if r.role == "decode"]
+        for _ in range(4):
+            for r in replicas:
+                decode = r.replica_id if r.role == "decode" else self.outcomes.choice(decodes)
+                for route in ("local", "disagg") if r.role == "prefill" else ("local",):
+                    self._observe(Outcome(route, r.replica_id, decode, 0.2, 0.0, 0.03, 0.0))
+
+    def decide(self) -> tuple[Placement, int, int]:
+        """Place the next request (timed: wall and thread CPU ns), begin it, then advance
+        the clock and the events."""
+        req = self.requests.next()
+        inputs = PolicyInputs(req.request_id, req.slo, self.corrections.snapshot(), self.now)
+        cpu_start = time.thread_time_ns()
+        start = time.perf_counter_ns()
+        placement = place(self.view, req.prompt_ids, req.max_tokens, self.profile, None, True, req.work, inputs)
+        elapsed = time.perf_counter_ns() - start
+        cpu = time.thread_time_ns() - cpu_start
+        self.view.begin(placement)
+        self._schedule(placement)
+        self._advance()
+        return placement, elapsed, cpu
+
+    def _schedule(self, placement: Placement) -> None:
+        first = self.num_decided + self.outcomes.randint(1, 40)
+        last = first + self.outcomes.randint(1, 400)
+        heapq.heappush(self.pending, (first, self.num_decided, "first", placement))
+        heapq.heappush(self.pending, (last, self.num_decided, "end", placement))
+
+    def _advance(self) -> None:
+        self.num_decided += 1
+        self.now += self.outcomes.expovariate(REQUEST_RATE)
+        while self.pending and self.pending[0][0] <= self.num_decided:
+            _, _, event, placement = heapq.heappop(self.pending)
+            if event == "first":
+                self.view.prefill_done(placement) if placement.prefill_replica else self.view.first_token(placement)
+            else:
+                self.view.end(placement)
+                self._learn(placement)
+        if self.now >= self.next_heartbeat:
+            self.view.update(self.heartbeats.next(self.now))
+            self.next_heartbeat += HEARTBEAT_S
+
+    def _learn(self, placement: Placement) -> None:
+        prediction = placement.decision.candidate.prediction if placement.decision.candidate else None
+        if prediction is None:
+            return
+        outcome = outcome_of(placement, prediction.ttft_s, prediction.tpot_s)
+        if outcome is not None:
+            self._observe(outcome)
+
+    def _observe(self, outcome: Outcome) -> None:
+        """`outcome` measured as its prediction times the replicas' bias and some noise."""
+        def measured(predicted: float, replica: str) -> float:
+            return predicted * self.bias[replica] * math.exp(self.outcomes.gauss(0.0, 0.2))
+
+        tpot = outcome.predicted_tpot_s
+        self.corrections.observe(Outcome(
+            outcome.route, outcome.prefill_replica, outcome.decode_replica, outcome.predicted_ttft_s,
+            measured(outcome.predicted_ttft_s, outcome.prefill_replica), tpot,
+            measured(tpot, outcome.decode_replica) if tpot is not None else None), self.now)
+
+
+class Workload:
+    """Seeded requests: log-uniform prompt lengths; a third extend one of a few system
+    prompts, a fifth extend an earlier conversation (prefix hits); some n > 1, prompt
+    logprobs or a grammar."""
+
+    def __init__(self, seed: int, block_size: int) -> None:
+        self.rng = random.Random(seed)
+        self.tokens = np.random.default_rng(seed)
+        self.block_size = block_size
+        self.system_prompts = [self._tokens(self.rng.randint(64, 1024)) for _ in range(NUM_SYSTEM_PROMPTS)]
+        self.conversations: list[list[int]] = []
+        self.num_requests = 0
+
+    def next(self) -> Request:
+        rng = self.rng
+        length = int(round(math.exp(rng.uniform(math.log(16), math.log(MAX_PROMPT_LEN)))))
+        kind = rng.random()
+        if kind < 0.2 and self.conversations:
+            base = rng.choice(self.conversations)
+        elif kind < 0.55:
+            base = rng.choice(self.system_prompts)
+        else:
+            base = []
+        length = min(MAX_PROMPT_LEN, max(length, len(base) + rng.randint(16, 256)))
+        prompt = base + self._tokens(length - len(base))
+        if len(self.conversations) < 256:
+            self.conversations.append(prompt)
+        else:
+            self.conversations[rng.randrange(256)] = prompt
+        work = RequestWork(num_sequences=rng.choice((2, 4, 8)) if rng.random() < 0.1 else 1,
+                           prompt_logprobs=rng.random() < 0.05, guided=rng.random() < 0.05)
+        max_tokens = rng.choice((1, 16, 64, 128, 256, 512, 1024))
+        self.num_requests += 1
+        return Request(f"req-{self.num_requests}", prompt, max_tokens, work, rng.choice(SLOS))
+
+    def _tokens(self, n: int) -> list[int]:
+        return self.tokens.integers(0, VOCAB, n).tolist()
+
+
+class Heartbeats:
+    """Every replica's heartbeat: a step model fitted once per replica (refitted a little
+    each time), random queues and streams, and on prefill replicas a transfer model per
+    decode address."""
+
+    def __init__(self, cfg: PolicyBenchConfig) -> None:
+        self.cfg = cfg
+        self.rng = random.Random(cfg.seed + 1)
+        num_prefill = cfg.prefill_count
+        self.roles = {f"prefill-{i}": "prefill" for i in range(num_prefill)}
+        self.roles |= {f"decode-{i}": "decode" for i in range(cfg.num_replicas - num_prefill)}
+        self.addresses = {rid: f"tcp://10.0.{i // 200}.{i % 200 + 10}:5{i:04d}" for i, rid in enumerate(self.roles)}
+        self.models = {rid: self._step_model() for rid in self.roles}
+        self.chunks = {rid: self.rng.choice((512, 1024, 2048)) for rid in self.roles}
+
+    def next(self, now: float) -> list[ReplicaInfo]:
+        return [ReplicaInfo(rid, role, address=self.addresses[rid], last_heartbeat=now,
+                            stats=self._stats(rid, role)) for rid, role in self.roles.items()]
+
+    def _step_model(self) -> dict:
+        u = self.rng.uniform
+        return {"fixed_s": u(0.004, 0.015), "prefill_token_s": u(5e-5, 2e-4), "prefill_attention_s": u(1e-9, 1e-8),
+                "decode_seq_s": u(1e-4, 5e-4), "decode_context_s": u(1e-7, 1e-6), "num_samples": 256}
+
+    def _stats(self, rid: str, role: str) -> dict:
+        rng, chunk = self.rng, self.chunks[rid]
+        idle = rng.random() < (0.3 if role == "prefill" else 0.1)
+        queued = [] if idle else [rng.randint(16, MAX_PROMPT_LEN) for _ in range(rng.randint(0, 6))]
+        streams = 0 if idle or role == "prefill" else rng.randint(0, 48)
+        model = {k: v * rng.uniform(0.95, 1.05) if k != "num_samples" else v for k, v in self.models[rid].items()}
+        stats = {
+            "num_running": streams + min(len(queued), 2), "num_waiting": max(0, len(queued) - 2),
+            "kv_blocks_total": 8192, "kv_blocks_free": rng.randint(0, 8192), "max_num_seqs": self.cfg.max_num_seqs,
+            "max_num_batched_tokens": chunk, "kv_bytes_per_token": KV_BYTES_PER_TOKEN, "step_model": model,
+            "prompt_tokens_waiting": sum(queued),
+            "prompt_attention_waiting": sum(prefill_work(0, n, chunk)[2] for n in queued),
+            "num_decoding": streams, "decode_context_tokens": streams * rng.randint(100, 3000),
+            "decode_tokens_remaining": streams * rng.randint(1, 500)}
+        if role == "prefill":
+            stats["transfer_model"] = self._transfer_model()
+        return stats
+
+    def _transfer_model(self) -> dict:
+        u = self.rng.uniform
+        peers = {self.addresses[rid]: {"fixed_s": u(5e-4, 5e-3), "bytes_per_s": u(1e9, 2.5e10), "num_samples": 64}
+                 for rid, role in self.roles.items() if role == "decode"}
+        return {**peers, "*": {"fixed_s": 2e-3, "bytes_per_s": 5e9, "num_samples": 64 * len(peers)}}
