@@ -239,3 +239,24 @@ def test_first_output_after_import_is_the_first_token_with_its_text_once(make_en
             got = reports(decode, "d")
             assert got == want, (seed, params)
             assert got[0][0] == [sink.first_token_id]
+
+
+def test_an_imported_request_decodes_ahead_of_waiting_prompts(make_engine):
+    """Imported KV holds every prompt token: its next token is a decode token, which is
+    scheduled before prompt chunks, not behind the prompts that were waiting first. Its
+    output is the local one all the same."""
+    prompt, params = list(range(3, 40)), SamplingParams(max_tokens=4, temperature=0.0)
+    local = make_engine().generate([prompt], params)[0].token_ids
+    prefill, decode = make_engine(), make_engine(max_num_batched_tokens=64)
+    sink = prefill_remotely(prefill, prompt, params, 0)
+    for i in range(3):  # long prompts queue first: each needs several 64-token chunks
+        decode.add_request(f"long{i}", [5 + i] * 300, SamplingParams(max_tokens=2, temperature=0.0))
+    decode.step()
+    decode.commit_kv(import_kv(decode, "t", prompt, sink), "d", params, sink.first_token_id)
+    steps_to_finish, final = 0, None
+    while final is None:
+        steps_to_finish += 1
+        final = next((o for o in decode.step() if o.request_id == "d" and o.finished), None)
+    assert final.token_ids == local
+    assert steps_to_finish <= len(local) + 1  # one step per token, not after ~14 prompt chunks
+    finish(decode, "long2")

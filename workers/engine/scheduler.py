@@ -67,6 +67,7 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_batched_tokens
+        self._admit_ready()
         scheduled, preempted = self._schedule_running(budget)
         budget -= sum(s.num_new_tokens for s in scheduled)
         if preempted:  # admitting now would only preempt someone again next step
@@ -117,6 +118,17 @@ class Scheduler:
                 scheduled[seq.seq_id] = ScheduledSeq(seq, num_new)
                 budget -= num_new
         return list(scheduled.values()), preempted
+
+    def _admit_ready(self) -> None:
+        """Waiting sequences that already hold all their KV (imported from a prefill
+        replica) join the running batch now, ahead of waiting prompts: their next step is
+        one decode token, and a decode token never queues behind prompt chunks."""
+        for seq in [s for s in self.waiting if s.is_decoding and s.block_ids]:
+            if not self._has_seats(seq):
+                break
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
 
     def _schedule_background(self, budget: int, decoding: bool) -> list[ScheduledSeq]:
         scheduled: list[ScheduledSeq] = []
