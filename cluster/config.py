@@ -167,6 +167,8 @@ class RouterSettings(_Strict):
     # (only where both routes are predicted to meet the SLO), and when a route counts as stale
     explore_fraction: float = Field(default=0.02, ge=0.0, le=0.02)
     stale_after_s: float = Field(default=20.0, gt=0)
+    correction_half_life_s: float = Field(default=60.0, gt=0)  # a correction's evidence fades with age
+    transfer_cost_max_age_s: float = Field(default=60.0, gt=0)  # prefill replicas forget older KV transfer tails
 
 
 class WorkloadProfile(_Strict):

@@ -24,7 +24,7 @@ class PolicyLearner:
     def __init__(self, settings: RouterSettings, metrics: RouterMetrics, router_id: str,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.settings, self.metrics, self.router_id, self.clock = settings, metrics, router_id, clock
-        self.corrections = Corrections()
+        self.corrections = Corrections(settings.correction_half_life_s)
         self.policy = PolicySettings(settings.explore_fraction, settings.stale_after_s)
         self.reset_at: float | None = None
         # (route, metric, predicted as the headers said, measured) of recent requests

@@ -10,7 +10,10 @@ then prompt chunks in arrival order (a background prefill last, at its own chunk
 From that and the replica's queue (`ReplicaLoad`) follow, per candidate:
 
 - `remote`: the prompt prefills on a prefill replica behind its queue, the KV's exposed
-  transfer tail follows, then the decode replica picks the request up at its next step.
+  transfer tail follows. The decode replica takes part at two step boundaries (it
+  reserves the KV blocks before the prefill starts and commits them once they are
+  written) and reports the first token with the step after, so a decode replica busy
+  with long prompt chunks adds about two of its steps.
 - `local`: the prompt prefills on the decode replica behind its queue, each step also
   decoding the streams there (which wait for those steps).
 - `background`: as `local`, but in a step that decodes streams the prompt takes only a
@@ -82,6 +85,14 @@ def decode_step_s(r: ReplicaLoad, extra_seqs: float = 0.0, extra_context: float 
     return step_s(r.coefficients, 0, 0, r.num_streams + extra_seqs, r.stream_context + extra_context)
 
 
+def current_step_s(r: ReplicaLoad) -> float:
+    """The step the replica runs now: its queue's mixed steps, else its streams' decode
+    steps, else nothing (an idle engine starts a step as soon as work arrives)."""
+    if r.queue_tokens > 0:
+        return _prefill(r, 0, 0).step_s
+    return decode_step_s(r) if r.num_streams > 0 else 0.0
+
+
 @dataclass(frozen=True)
 class _Prefill:
     seconds: float  # from now to the prompt's last chunk done
@@ -125,7 +136,8 @@ def remote(req: RequestShape, p: ReplicaLoad, d: ReplicaLoad, prefill_cached: in
     link = p.transfer_to(d.address)
     tail = link.fixed_s + num_bytes / link.bytes_per_s
     after = decode_step_s(d, req.num_sequences * req.decode_cost, req.num_sequences * req.prompt_len)
-    ttft = prefill.seconds + tail + 0.5 * after  # picked up at the decode replica's next step
+    # half a step to reserve, half to commit, one to report the first token
+    ttft = prefill.seconds + tail + 2.0 * max(current_step_s(d), 0.5 * after)
     d_queue = _prefill(d, 0, 0)
     d_steps_left = d_queue.steps - ttft / d_queue.step_s if d_queue.steps else 0.0
     tpot = _own_tpot(req, d, d_steps_left, d_queue.step_s)
@@ -134,12 +146,14 @@ def remote(req: RequestShape, p: ReplicaLoad, d: ReplicaLoad, prefill_cached: in
 
 
 def local(req: RequestShape, d: ReplicaLoad, cached: int) -> Candidate:
-    """Prefill on `d` in the foreground, behind its queue, then decode there."""
+    """Prefill on `d` in the foreground, behind its queue (from the next step boundary),
+    then decode there."""
     prefill = _prefill(d, _start(req, cached), req.prompt_len)
     tpot = _own_tpot(req, d, 0, 0.0)
     after = decode_step_s(d, req.num_sequences * req.decode_cost, req.num_sequences * req.prompt_len)
     streams = _streams_tpot(d, prefill.steps, prefill.step_s, after)
-    return Candidate("local", d.replica_id, d.replica_id, Prediction(prefill.seconds, tpot, streams),
+    ttft = prefill.seconds + 0.5 * current_step_s(d)
+    return Candidate("local", d.replica_id, d.replica_id, Prediction(ttft, tpot, streams),
                      num_streams=d.num_streams)
 
 
@@ -170,7 +184,7 @@ def background(req: RequestShape, d: ReplicaLoad, cached: int, stream_tpot_slo_s
     c = d.coefficients
     beside_s = (steps_beside * decode_step_s(d) + c.prefill_token_s * tokens + c.prefill_attention_s * work)
     alone = _prefill(_idle(d), beside_end, req.prompt_len).seconds if beside_end < req.prompt_len else 0.0
-    ttft = queue.seconds + beside_s + alone
+    ttft = queue.seconds + beside_s + alone + 0.5 * current_step_s(d)
     tpot = _own_tpot(req, d, 0, 0.0)
     after = decode_step_s(d, req.num_sequences * req.decode_cost, req.num_sequences * req.prompt_len)
     step_beside = beside_s / steps_beside if steps_beside else after
@@ -185,7 +199,8 @@ def whole(req: RequestShape, p: ReplicaLoad, cached: int) -> Candidate:
     """Prefill and decode on the prefill replica `p` (which has no streams of its own)."""
     prefill = _prefill(p, _start(req, cached), req.prompt_len)
     tpot = _own_tpot(req, p, 0, 0.0)
-    return Candidate("whole", p.replica_id, p.replica_id, Prediction(prefill.seconds, tpot, 0.0))
+    ttft = prefill.seconds + 0.5 * current_step_s(p)
+    return Candidate("whole", p.replica_id, p.replica_id, Prediction(ttft, tpot, 0.0))
 
 
 def _start(req: RequestShape, cached: int) -> int:

@@ -173,7 +173,7 @@ def test_slow_disaggregated_outcomes_shift_routing_local_and_back_when_they_fade
     corrections = Corrections(half_life_s=30.0)
     _learn_slow_disagg(corrections, ratio=8.0, now=10.0)
     state = corrections.snapshot()
-    assert state.factor("ttft", "disagg", "p1", 10.0) == pytest.approx(8.0)
+    assert 4.0 < state.factor("ttft", "disagg", "p1", 10.0) <= 8.0  # the first samples are weighed in gently
     after = decide(busy, state, now=10.0)
     assert after.route == "local" and after.prediction.ttft_s > 0
     # the evidence fades with no new measurement: the model's view comes back
@@ -186,14 +186,16 @@ def test_a_correction_rescales_the_headers_prediction():
     only_local = ctx(prefills=(), num_healthy_prefill=0)
     raw = decide(only_local, EMPTY, now=0.0)
     fixed = decide(only_local, corrections.snapshot(), now=0.0)
-    assert fixed.prediction.ttft_s == pytest.approx(raw.prediction.ttft_s * 1.5)
-    assert fixed.prediction.tpot_s == pytest.approx(raw.prediction.tpot_s * 1.2)
+    state = corrections.snapshot()
+    assert 1.0 < state.factor("ttft", "local", "d1", 0.0) < 1.5  # a first sample moves it half way (log scale)
+    assert fixed.prediction.ttft_s == pytest.approx(raw.prediction.ttft_s * state.factor("ttft", "local", "d1", 0.0))
+    assert fixed.prediction.tpot_s == pytest.approx(raw.prediction.tpot_s * state.factor("tpot", "local", "d1", 0.0))
 
 
 def test_smoothing_bounds_and_reset():
     c = Corrections()
     c.observe(Outcome("local", "d1", "d1", 0.1, 1e6), now=0.0)  # one absurd sample is clamped
-    assert c.snapshot().factor("ttft", "local", "d1", 0.0) <= 20.0
+    assert c.snapshot().factor("ttft", "local", "d1", 0.0) <= 8.0
     for _ in range(30):
         c.observe(Outcome("local", "d1", "d1", 0.1, 0.2), now=1.0)
     assert c.snapshot().factor("ttft", "local", "d1", 1.0) == pytest.approx(2.0, rel=0.01)

@@ -30,7 +30,8 @@ class PrefillWorker(EngineWorker):
     async def __init__(self, config, control_plane=None, transport_key: str | None = None) -> None:
         await super().__init__(config, control_plane, transport_key)
         self.sender = wrap_sender(make_sender(self.config, transport_key), self.faults)  # as is unless faults.enabled
-        self.transfer_tails = TransferTails(self.replica_id)  # learns from the sender's records in stats()
+        # learns from the sender's records in stats(), forgetting samples older than the router's setting
+        self.transfer_tails = TransferTails(self.replica_id, max_age_s=self.config.router.transfer_cost_max_age_s)
         self.start_heartbeat()
 
     async def stats(self) -> dict:
