@@ -29,7 +29,7 @@ from typing import Literal
 Metric = Literal["ttft", "tpot"]
 Key = tuple[str, str, str]  # (metric, route, replica): TTFT by the replica that prefills, TPOT by where it decodes
 
-SMOOTHING = 0.3  # weight of the newest measurement once a key has a few samples
+SMOOTHING = 0.5  # weight of the newest measurement once a key has a few samples
 FIRST_WEIGHT = 0.5  # the first measurement (often a cold path's) moves the factor half way
 MAX_RATIO = 8.0  # one measurement counts as at most this ratio either way
 HALF_LIFE_S = 60.0

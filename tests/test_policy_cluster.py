@@ -1,0 +1,107 @@
+"""`auto` on a real Serve app notices when disaggregation hurts, and when it stops hurting.
+
+One prefill and one decode replica (tiny model), faults enabled. The decode replica is
+kept queued with forced-local long prompts, so `auto` (loose objectives: the earliest
+predicted first token wins) sends a fresh prompt remote. Then every KV layer the prefill
+replica sends is delayed: the slow transfers reach the predictions (the prefill replica's
+fit of its transfer tails, the router's corrections) and routing shifts local, with
+nobody touching a threshold. Once the delay is gone the evidence ages out and remote
+comes back. Both forget within seconds here (`router.correction_half_life_s`,
+`router.transfer_cost_max_age_s`); the defaults are a minute.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import httpx
+import pytest
+
+APP = "pdc-policy-fault"
+DELAY_S = 0.4  # per KV layer: the tiny model's two layers add 0.8 s to a remote first token
+
+
+def _config(model_dir) -> dict:
+    return {
+        "model": {"path": str(model_dir), "max_model_len": 2048},
+        "engine": {"num_kv_blocks": 1024, "max_num_batched_tokens": 256},
+        "prefill": {"num_replicas": 1, "num_cpus": 0.25},
+        "decode": {"num_replicas": 1, "num_cpus": 0.25},
+        "router": {"num_cpus": 0.25, "heartbeat_timeout_s": 5.0, "prefill_timeout_s": 10.0,
+                   "offload_local_to_prefill": False,  # the forced-local load stays on the decode replica
+                   "correction_half_life_s": 3.0, "transfer_cost_max_age_s": 5.0, "stale_after_s": 3.0},
+        "transport": {"backend": "zmq", "host": "127.0.0.1"},
+        "workloads": {"default": {"mode": "local"},
+                      "adaptive": {"mode": "auto", "slo": {"ttft_ms": 10_000, "tpot_ms": 2_000}}},
+        "faults": {"enabled": True},
+    }
+
+
+@pytest.fixture(scope="module")
+def app(ray_cluster, tiny_model_dir):
+    from ray import serve
+
+    from cluster.app import build_app
+
+    serve.run(build_app(_config(tiny_model_dir)), name=APP, route_prefix="/")
+    with httpx.Client(base_url=f"http://127.0.0.1:{ray_cluster['http_port']}", timeout=60) as client:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            r = client.get("/health")
+            if r.status_code == 200 and r.json()["status"] == "ok":
+                break
+            time.sleep(0.5)
+        yield client
+    serve.delete(APP)
+
+
+def _set_delay(seconds: float) -> None:
+    from ray import serve
+
+    serve.get_deployment_handle("PrefillWorker", APP).set_faults.remote(
+        {"kv_layer_delay_s": seconds}).result(timeout_s=30)
+
+
+def test_auto_shifts_away_from_a_slowed_kv_path_and_back(app):
+    stop = threading.Event()
+    rng = random.Random(11)
+
+    def keep_decode_busy(seed: int) -> None:
+        local = random.Random(seed)
+        with httpx.Client(base_url=str(app.base_url), timeout=60) as c:
+            while not stop.is_set():
+                prompt = [local.randrange(250) for _ in range(1800)]
+                c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0})
+
+    def probe() -> str:
+        prompt = [rng.randrange(250) for _ in range(200)]  # fresh: no replica has it cached
+        r = app.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0},
+                     headers={"x-workload": "adaptive"})
+        assert r.status_code == 200, r.text
+        assert float(r.headers["x-pd-predicted-ttft-ms"]) > 0
+        return r.headers["x-pd-route"]
+
+    loaders = [threading.Thread(target=keep_decode_busy, args=(i,)) for i in range(3)]
+    for t in loaders:
+        t.start()
+    try:
+        time.sleep(1.0)
+        before = [probe() for _ in range(10)]
+        _set_delay(DELAY_S)
+        during = [probe() for _ in range(14)]
+        _set_delay(0.0)
+        cleared = time.monotonic()
+        after: list[str] = []
+        while "disagg" not in after[-4:] and time.monotonic() - cleared < 60:
+            after.append(probe())
+            time.sleep(0.3)
+    finally:
+        stop.set()
+        for t in loaders:
+            t.join(60)
+    print(f"routes before {before}, during {during}, after ({time.monotonic() - cleared:.1f} s) {after}")
+    assert before.count("disagg") >= 7, before
+    assert during[-7:].count("local") >= 6, during
+    assert "disagg" in after[-4:], after
