@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from router.prefix_index import PrefixIndex
-from router.replica_load import ReplicaLoad, from_stats
+from router.replica_load import DEFAULT_CHUNK_TOKENS, ReplicaLoad, from_stats
 
 if TYPE_CHECKING:
     from router.placement import Placement
@@ -98,6 +98,11 @@ class ClusterView:
             queue_work=max(self.backlog_work.get(rid, 0), base.queue_work + since.sent_work - since.done_work),
             num_streams=streams, stream_context=int(base.stream_context + (streams - base.num_streams) * per_stream),
             num_requests=self.load(replica), stream_tpot_slo_s=min(slos) if slos else None)
+
+    def chunk_tokens(self, replica_id: str) -> int:
+        """The replica's token budget per engine step (the default before it reported one)."""
+        replica = self.replicas.get(replica_id)
+        return self._heartbeat_load(replica).chunk_tokens if replica is not None else DEFAULT_CHUNK_TOKENS
 
     def _heartbeat_load(self, replica: ReplicaInfo) -> ReplicaLoad:
         """`from_stats` of the replica's last heartbeat (its stats are never changed in place:

@@ -60,7 +60,7 @@ class Placement:
     num_sequences: int = 1  # streams it decodes on `target_replica` (n / best_of)
     prefill_work: int = 0  # the attention work of those prompt tokens (router/predict.py)
     tpot_slo_s: float | None = None  # its workload's TPOT objective (the streams' objective there)
-    ended: bool = False
+    ended: bool = False  # `ClusterView.end` ran: its streams no longer count on `target_replica`
 
 
 def place(view: ClusterView, prompt_ids: list[int], max_tokens: int, profile: WorkloadProfile,
@@ -115,8 +115,7 @@ def _placed(view: ClusterView, deployment: str, target: str, prefill_replica: st
             work: RequestWork, inputs: PolicyInputs) -> Placement:
     """A Placement whose prompt is computed on `prefill_on` from its cached `computed_from` tokens."""
     start = 0 if work.prompt_logprobs else min(computed_from, len(prompt_ids) - 1)
-    chunk = int(view.replicas[prefill_on].stats.get("max_num_batched_tokens", 1024)) if prefill_on in view.replicas \
-        else 1024
+    chunk = view.chunk_tokens(prefill_on)
     return Placement(deployment, target, prefill_replica, decision, num_cached, hashes, prefill_on=prefill_on,
                      prefill_tokens=_uncached(prompt_ids, computed_from),
                      num_sequences=work.num_sequences, prefill_work=prefill_work(start, len(prompt_ids), chunk)[2],

@@ -115,7 +115,7 @@ class AsyncEngine:
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.wrap_future(self.submit(fn, *args))
 
-    async def stats(self) -> dict[str, int]:
+    async def stats(self) -> dict[str, Any]:
         return await self.call(self.engine.stats)
 
     async def check_integrity(self) -> None:
