@@ -192,7 +192,9 @@ class FileWorkload:
 
 def request_from_row(row: dict, index: int, name: str, seed: int) -> RequestSpec:
     """One file row: `prompt` (text) or `messages` or `prompt_len` (synthetic text), plus
-    `output_len` (alias `max_tokens`), optional `id`, `session_id`, `timestamp`."""
+    `output_len` (alias `max_tokens`), optional `id`, `session_id`, `timestamp`, and
+    `workload` (the request's `x-workload`, so one trace can mix workload profiles;
+    default: the file's name). The synthetic text depends on `name`, never on `workload`."""
     rng = random.Random(f"{name}:{seed}:{index}")
     if "messages" in row:
         messages = tuple({"role": m["role"], "content": m["content"]} for m in row["messages"])
@@ -205,7 +207,7 @@ def request_from_row(row: dict, index: int, name: str, seed: int) -> RequestSpec
     output_len = int(row.get("output_len", row.get("max_tokens", 32)))
     timestamp = row.get("timestamp")
     return RequestSpec(
-        str(row.get("id", f"{name}-{index}")), name, messages, output_len,
+        str(row.get("id", f"{name}-{index}")), str(row.get("workload", name)), messages, output_len,
         row.get("session_id"), None if timestamp is None else float(timestamp),
     )
 
