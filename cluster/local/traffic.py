@@ -1,8 +1,10 @@
 """The workloads `pdcluster demo` and `pdcluster bench cluster` send, stated explicitly.
 
 Each workload is one or more request classes with fixed lengths and an arrival process,
-written as a JSONL trace (`timestamp`, `id`, `prompt_len`, `output_len` per row) that
-`pdcluster loadtest --trace` replays. The trace fixes lengths and arrival times; the
+written as a JSONL trace (`timestamp`, `id`, `prompt_len`, `output_len`, `workload` per
+row) that `pdcluster loadtest --trace` replays. `workload` is the class's workload profile
+(`bench_short`, `bench_long`), sent as `x-workload`: where the app has that profile, the
+router holds each class to its own SLO; elsewhere the name falls back to `default`. The trace fixes lengths and arrival times; the
 prompt text comes from the load test's seed, so every run of a benchmark sends the same
 shape of traffic with fresh prompt bytes (no run can hit the prefix cache of another).
 
@@ -19,6 +21,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cluster.loadtest.config import SLO
+
+WORKLOAD_PREFIX = "bench_"  # class `short` -> workload profile `bench_short`
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,11 @@ class RequestClass:
             times.append(round(t, 4))
             t += self.interval_s if self.interval_s is not None else rng.expovariate(self.rate)
         return times
+
+    @property
+    def workload(self) -> str:
+        """The workload profile its requests name in `x-workload`."""
+        return f"{WORKLOAD_PREFIX}{self.name}"
 
     def describe(self) -> str:
         low, high = self.prompt_len
@@ -78,8 +87,8 @@ class ClusterWorkload:
         for cls in self.classes:
             rng = random.Random(f"{self.name}:{cls.name}:{seed}")
             for i, t in enumerate(cls.arrivals(rng)):
-                rows.append({"timestamp": t, "id": f"{cls.name}-{i}",
-                             "prompt_len": rng.randint(*cls.prompt_len), "output_len": cls.output_len})
+                rows.append({"timestamp": t, "id": f"{cls.name}-{i}", "prompt_len": rng.randint(*cls.prompt_len),
+                             "output_len": cls.output_len, "workload": cls.workload})
         return sorted(rows, key=lambda r: (r["timestamp"], r["id"]))
 
     def write_trace(self, path: Path, seed: int = 0) -> Path:
