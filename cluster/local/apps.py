@@ -18,10 +18,13 @@ NUM_KV_BLOCKS = 2048  # 32k tokens per replica: never the limit in these workloa
 
 
 def app_args(preset: str, cache_dir: str | None, num_prefill: int, num_decode: int,
-             mode: str = "auto", *, min_remote_prefill_tokens: int = 256, max_prefill_queue: int = 4,
-             max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS) -> dict[str, Any]:
+             mode: str = "auto", *, max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
+             admin_token_file: str | None = None, faults: bool = False) -> dict[str, Any]:
     """`build_app` args: `num_prefill` + `num_decode` single-threaded engine replicas whose
-    default profile is `mode` and lets a client pick the mode with `x-pd-mode`."""
+    default profile is `mode` and lets a client pick the mode with `x-pd-mode`.
+    `admin_token_file` turns the admin API on (profiles changed live, `/admin/policy`);
+    `faults` lets the test-only fault injection be switched at run time (nothing is
+    injected until it is)."""
     model: dict[str, Any] = {"preset": preset}
     if cache_dir:
         model["cache_dir"] = cache_dir
@@ -36,11 +39,21 @@ def app_args(preset: str, cache_dir: str | None, num_prefill: int, num_decode: i
         # load; "disagg" should stay disaggregated rather than fall back after 30 s.
         "router": {"num_cpus": 0.5, "heartbeat_timeout_s": 15.0, "prefill_timeout_s": 120.0},
         "transport": {"backend": "auto", "host": "127.0.0.1"},
-        "workloads": {"default": {"mode": mode, "allow_client_override": True,
-                                  "min_remote_prefill_tokens": min_remote_prefill_tokens,
-                                  "max_prefill_queue": max_prefill_queue}},
+        "workloads": {"default": workload_profile(mode)},
         "log_level": "WARNING",
+        **({"secrets": {"admin_token_file": admin_token_file}} if admin_token_file else {}),
+        **({"faults": {"enabled": True}} if faults else {}),
     }
+
+
+def workload_profile(mode: str, slo: dict[str, float] | None = None) -> dict[str, Any]:
+    """A full workload profile (what `PUT /admin/workloads/NAME` takes), the same routing
+    knobs everywhere; `slo` None: the router's default SLO."""
+    profile: dict[str, Any] = {"mode": mode, "allow_client_override": True, "min_remote_prefill_tokens": 256,
+                               "max_prefill_queue": 4}
+    if slo is not None:
+        profile["slo"] = slo
+    return profile
 
 
 def expected_pools(num_prefill: int, num_decode: int) -> dict[str, int]:

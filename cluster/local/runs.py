@@ -16,12 +16,17 @@ class Run:
     mode: str
     out_dir: Path
     summary: Summary
-    by_class: dict[str, dict]  # request class -> {"n", "ttft_ms", "itl_ms", "num_good"}
+    records: list  # every request's RequestRecord, as requests.jsonl holds it
+
+    @property
+    def by_class(self) -> dict[str, dict]:
+        """Request class -> {"n", "ttft_ms", "itl_ms", "num_good"}."""
+        return class_blocks(self.workload, self.records)
 
     def figures(self) -> dict:
         """The flat figures a benchmark keeps per run."""
-        s = self.summary
-        num_good = sum(block["num_good"] for block in self.by_class.values())
+        s, by_class = self.summary, self.by_class
+        num_good = sum(block["num_good"] for block in by_class.values())
         num_sent = s.requests["completed"] + s.requests["failed"]
         return {
             "completed": s.requests["completed"], "failed": s.requests["failed"],
@@ -33,16 +38,17 @@ class Run:
             "goodput_fraction": round(num_good / num_sent, 4) if num_sent else None,
             "throughput_rps": s.throughput["requests_per_s"],
             "routes": dict(s.routes),
-            **{f"{name}_itl_p99_ms": block["itl_ms"]["p99"] for name, block in self.by_class.items()},
-            **{f"{name}_ttft_p50_ms": block["ttft_ms"]["p50"] for name, block in self.by_class.items()},
+            **{f"{name}_itl_p99_ms": block["itl_ms"]["p99"] for name, block in by_class.items()},
+            **{f"{name}_ttft_p50_ms": block["ttft_ms"]["p50"] for name, block in by_class.items()},
         }
 
 
 def run_workload(url: str, workload: ClusterWorkload, mode: str, out_dir: Path, seed: int,
-                 progress: bool = False, plots: bool = False, trace_seed: int = 0) -> Run:
+                 progress: bool = False, plots: bool = False, trace_seed: int = 0, on_record=None) -> Run:
     """Replay `workload` against `url` with `x-pd-mode: mode`; the report goes to `out_dir`.
     `seed` picks the prompt bytes (give every run its own), `trace_seed` the lengths and
-    arrival times (keep it fixed so every run sends the same shape of traffic)."""
+    arrival times (keep it fixed so every run sends the same shape of traffic).
+    `on_record(record)` is called as each request ends (on the load tester's loop)."""
     from cluster.loadtest.api import run_loadtest
     from cluster.loadtest.config import LoadTestConfig
     from cluster.loadtest.report import read_records
@@ -52,8 +58,8 @@ def run_workload(url: str, workload: ClusterWorkload, mode: str, out_dir: Path, 
     config = LoadTestConfig(url=url, out_dir=out_dir, workload=str(trace), trace=trace, seed=seed,
                             mode=mode, slo=workload.slo, progress=progress, plots=plots,
                             prompt_format="ids", timeout_s=300.0)
-    summary = run_loadtest(config)
-    return Run(workload, mode, out_dir, summary, class_blocks(workload, read_records(out_dir)))
+    summary = run_loadtest(config, on_record)
+    return Run(workload, mode, out_dir, summary, read_records(out_dir))
 
 
 def class_blocks(workload: ClusterWorkload, records) -> dict[str, dict]:
