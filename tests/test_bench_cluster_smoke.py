@@ -1,6 +1,7 @@
 """`pdcluster bench cluster --quick --json` end to end in its own process (its own local
 Ray: one Ray per process, and this one may already run the session's): the tiny model,
-one repeat of each workload in each configuration, JSON alone on stdout."""
+one repeat of each workload in each configuration (`auto` in every SLO cell), the two
+scenarios shortened, JSON alone on stdout."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ import sys
 
 import pytest
 
-from cluster.bench.cluster import _ratios, parse_workloads
+from cluster.bench.cluster import parse_workloads
+from cluster.bench.cluster_report import legacy_ratios
+from cluster.bench.cluster_runs import CONFIGS
 from cluster.bench.sizing import WORKLOAD_NAMES, Baseline, bench_workloads
+from cluster.bench.slo_cells import CELLS
 from cluster.local.traffic import INTERFERENCE, request_class
 
 WORKLOADS = ("short_low_load", "long_high_load", "mixed")
@@ -64,8 +68,8 @@ def test_ratios_only_for_the_workloads_that_ran():
     def cfg(goodput):
         return {"goodput_rps": goodput, "itl_p99_ms": 100.0, "ttft_p50_ms": 1000.0}
     results = {"long_high_load": {"colocated": cfg(0.3), "disagg": cfg(0.5), "auto": cfg(0.49)}}
-    assert _ratios(results, None) == {"auto_goodput_vs_best_long_high_load": 0.98}
-    ratios = _ratios(results, {"router_overhead_ttft_p50_ms": 4.0})
+    assert legacy_ratios(results, None) == {"auto_goodput_vs_best_long_high_load": 0.98}
+    ratios = legacy_ratios(results, {"router_overhead_ttft_p50_ms": 4.0})
     assert ratios["router_overhead_ttft_p50_ms"] == 4.0
 
 
@@ -73,13 +77,13 @@ def test_bench_cluster_quick_prints_json(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "cluster", "bench", "cluster", "--quick", "--json",
          "--model-cache", str(tmp_path / "models"), "--out", str(tmp_path / "out")],
-        capture_output=True, text=True, timeout=420)
+        capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)  # stdout carries the JSON alone
     assert REQUIRED_RATIOS <= set(report["ratios"])
     assert tuple(report["results"]) == WORKLOADS
     for name, by_config in report["results"].items():
-        assert set(by_config) == {"colocated", "disagg", "auto"}
+        assert set(by_config) == {c.name for c in CONFIGS}
         for config, figures in by_config.items():
             assert figures["failed"] == 0 and figures["completed"] > 0, (name, config, figures)
         assert by_config["colocated"]["routes"].get("disagg", 0) == 0
@@ -87,6 +91,19 @@ def test_bench_cluster_quick_prints_json(tmp_path):
         # colocated really runs on both of its replicas
         cpu = by_config["colocated"]["cpu_s"]
         assert cpu["colocated:DecodeWorker#1"] > 0 and cpu["colocated:DecodeWorker#2"] > 0, cpu
+        assert set(report["cells"][name]) == set(CELLS)
+        assert {f"auto_goodput_vs_best_{name}_{cell}" for cell in CELLS} <= set(report["targets"])
+    hurts, shift = report["scenarios"]["disagg_hurts"], report["scenarios"]["load_shift"]
+    assert hurts["delay_s"] > 0 and set(hurts["fault_at_s"]) == {"disagg", "threshold", "auto"}
+    assert all(f["failed"] == 0 for f in hurts["figures"].values()), hurts["figures"]
+    assert hurts["long_remote_share"]["num_before"] > 0
+    assert set(shift) >= {"first_half", "second_half"}
+    for key in ("auto_goodput_vs_best_disagg_hurts", "disagg_hurts_long_remote_share_after_vs_before",
+                "auto_goodput_vs_best_load_shift_first_half", "auto_goodput_vs_best_load_shift_second_half",
+                "auto_goodput_vs_colocated_mixed_balanced", "auto_goodput_vs_disagg_mixed_balanced"):
+        assert key in report["ratios"], key
+    assert report["prediction"]["router_side"], report["prediction"]  # the router's own error, per route
+    assert any(k.startswith("prediction_ttft_mape_") for k in report["ratios"])
     overhead = report["router_overhead"]
     assert overhead["router_ttft_p50_ms"] > 0 and overhead["direct_ttft_p50_ms"] > 0
     assert isinstance(overhead["router_overhead_paired_p50_ms"], float)

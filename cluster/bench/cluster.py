@@ -1,4 +1,5 @@
-"""`pdcluster bench cluster --json`: colocated vs disaggregated vs `auto` on equal cores.
+"""`pdcluster bench cluster --json`: colocated vs disaggregated vs the router's policies
+on equal cores.
 
 Two apps are deployed side by side on one local Ray, each with two single-threaded
 engine replicas and the same engine settings:
@@ -6,14 +7,18 @@ engine replicas and the same engine settings:
 - `colocated` (`/colocated`): 2 decode replicas, profile `local`: every request is
   prefilled and decoded on one replica, the router balancing by load.
 - `pd` (`/pd`): 1 prefill + 1 decode replica; `x-pd-mode: disagg` prefills every request
-  remotely, `x-pd-mode: auto` lets the router decide per request.
+  remotely, `threshold` by the token-threshold rule, `auto` as the predictive policy
+  decides against each class's SLO (the `bench_short` / `bench_long` profiles, set
+  through the admin API before each `auto` run).
 
 Three workloads (`cluster.bench.sizing`: rates and SLOs sized to this machine) run in
-every configuration, repeated, interleaved (configuration order rotated each repeat),
-each run with fresh prompt bytes; results are medians over repeats. Then the router's
-own TTFT cost is measured against calling the decode deployment through a Serve handle.
-`--workloads` re-runs a subset (ratios only for what ran); `--overhead-samples 0` skips
-the router-overhead part.
+every configuration (`auto` once per SLO cell, `cluster.bench.slo_cells`), repeated,
+interleaved (configuration order rotated each repeat), each run with fresh prompt
+bytes; figures are medians over repeats, good requests are pooled. When `mixed` runs,
+so do the two scenarios (`cluster.bench.cluster_scenarios`: disaggregation hurts, the
+load shifts). Then the router's own TTFT cost is measured against calling the decode
+deployment through a Serve handle. `--workloads` re-runs a subset (ratios only for what
+ran); `--overhead-samples 0` skips the router-overhead part.
 Progress goes to stderr, the JSON object alone to stdout.
 """
 
@@ -22,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -32,19 +36,14 @@ import typer
 
 from cluster.bench.sizing import WORKLOAD_NAMES
 
-CONFIGS = ("colocated", "disagg", "auto")
-# config -> (app, x-pd-mode)
-ROUTES = {"colocated": ("colocated", "local"), "disagg": ("pd", "disagg"), "auto": ("pd", "auto")}
-TARGETS = {"disagg_itl_p99_vs_colocated": ("<=", 0.5), "auto_ttft_p50_vs_colocated_short_low_load": ("<=", 1.05),
-           "auto_goodput_vs_best_short_low_load": (">=", 0.95), "auto_goodput_vs_best_long_high_load": (">=", 0.95),
-           "auto_goodput_vs_best_mixed": (">=", 0.95), "router_overhead_ttft_p50_ms": ("<=", 5.0)}
+DEFAULT_REPEATS = 2  # 8 configurations x 3 workloads x 2 + the scenarios: ~30 minutes on 2 cores
 
 
 @dataclass
 class BenchOptions:
     preset: str = "small"
     model_cache: str | None = None
-    repeats: int = 3
+    repeats: int = DEFAULT_REPEATS
     request_factor: float = 1.0
     prompt_factor: float = 1.0
     rate_factor: float = 1.0
@@ -53,6 +52,9 @@ class BenchOptions:
     workloads: tuple[str, ...] | None = None  # a subset of the workload names; None: all
     direct_ingress: bool = True  # Serve's direct ingress on (the proxy still runs)
     out: Path = Path("runs/bench-cluster")
+    scenario_span_s: float = 90.0  # disagg_hurts: the run, half before the fault and half after
+    scenario_num_long: int = 30  # disagg_hurts: long prompts over the span
+    shift_half_s: float = 15.0  # load_shift: each half
 
 
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
@@ -61,7 +63,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
 
 def bench_cluster_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
-    repeats: int = typer.Option(3, min=1, help="Interleaved repeats of every (workload, configuration)."),
+    repeats: int = typer.Option(DEFAULT_REPEATS, min=1, help="Interleaved repeats of every (workload, "
+                                "configuration); the scenarios run once."),
     num_requests: int | None = typer.Option(None, min=2, help="Scale each workload to about this many requests."),
     quick: bool = typer.Option(False, "--quick", help="Smoke-test size: tiny model, 1 repeat, short workloads."),
     preset: str = typer.Option("small", help="Embedded model preset (tiny, small)."),
@@ -75,7 +78,8 @@ def bench_cluster_cmd(
                                         "HTTP themselves) and time the router overhead there as well as "
                                         "through the proxy."),
 ) -> None:
-    """Colocated vs disaggregated vs auto on equal cores, three workloads, with ratios."""
+    """Colocated vs disaggregated vs threshold vs auto on equal cores: three workloads in
+    five SLO cells, two scenarios, with ratios and targets."""
     from rich.console import Console
 
     opts = BenchOptions(preset, model_cache, repeats, overhead_samples=overhead_samples, out=out,
@@ -83,6 +87,7 @@ def bench_cluster_cmd(
     if quick:  # the tiny model runs these ~10x faster than small: shorter and denser
         opts.preset, opts.repeats, opts.overhead_samples = "tiny", 1, min(overhead_samples, 6)
         opts.request_factor, opts.prompt_factor = 0.25, 0.5
+        opts.scenario_span_s, opts.scenario_num_long, opts.shift_half_s = 10.0, 8, 4.0
     opts.num_requests = num_requests
     console = Console(stderr=True, log_path=False)
     try:
@@ -95,7 +100,9 @@ def bench_cluster_cmd(
     if as_json:
         typer.echo(json.dumps(result))
     else:
-        _print(result, Console())
+        from cluster.bench.cluster_report import print_report
+
+        print_report(result, Console())
 
 
 @contextlib.contextmanager
@@ -129,22 +136,27 @@ def parse_workloads(text: str | None) -> tuple[str, ...] | None:
 def run_bench(opts: BenchOptions, log) -> dict:
     import ray.serve  # noqa: F401 - this process reads Serve's settings before serve_env changes them
 
+    from cluster.bench.cluster_report import build_report
+    from cluster.bench.cluster_runs import Bench, run_scenarios, run_workloads
+    from cluster.bench.policy_admin import PolicyAdmin, admin_token_file
     from cluster.bench.router_overhead import measure
     from cluster.bench.sizing import bench_workloads, measure_baseline
     from cluster.local.apps import app_args, ensure_preset, expected_pools
     from cluster.local.ray_cluster import LocalCluster
     from cluster.local.runs import warm_up
+    from workers.model_files import PRESETS
 
     started, load_start = time.perf_counter(), os.getloadavg()
     serve_env = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"} if opts.direct_ingress else {}
-    with LocalCluster(log=log, serve_env=serve_env) as cluster:
+    with admin_token_file() as (token_file, token), LocalCluster(log=log, serve_env=serve_env) as cluster:
         ensure_preset(opts.preset, opts.model_cache, log)
-        log("deploying colocated (2 decode replicas) and pd (1 prefill + 1 decode)")
+        log("deploying colocated (2 decode replicas) and pd (1 prefill + 1 decode, admin API and test-only "
+            "fault injection on, no fault set)")
         colocated, pd = cluster.deploy_many([
             ("colocated", app_args(opts.preset, opts.model_cache, 0, 2, "local"), "/colocated", expected_pools(0, 2)),
-            ("pd", app_args(opts.preset, opts.model_cache, 1, 1, "auto"), "/pd", expected_pools(1, 1)),
+            ("pd", app_args(opts.preset, opts.model_cache, 1, 1, "auto", admin_token_file=token_file, faults=True),
+             "/pd", expected_pools(1, 1)),
         ])
-        urls = {"colocated": colocated, "pd": pd}
         log("warming up (first transfers, first shapes)")
         warm_up(colocated, ("local",))
         warm_up(pd, ("local", "disagg"))
@@ -155,27 +167,28 @@ def run_bench(opts: BenchOptions, log) -> dict:
         for w in workloads.values():
             for line in w.describe():
                 log(line)
-        runs = _run_all(opts, workloads, urls, log)
+        bench = Bench({"colocated": colocated, "pd": pd}, PolicyAdmin(pd, token), baseline, opts.out, log)
+        runs = run_workloads(bench, workloads, opts.repeats)
+        scenarios = {}
+        if "mixed" in workloads:
+            scenarios = run_scenarios(bench, opts.prompt_factor, opts.scenario_span_s, opts.scenario_num_long,
+                                      opts.shift_half_s, PRESETS[opts.preset].num_hidden_layers)
         proxied = direct = None
         if opts.overhead_samples > 0:
             log("router overhead: HTTP through the router vs the decode replica called directly "
                 "(a Serve handle, and its worker stream)")
-            proxied = measure(urls["pd"], "pd", num_samples=opts.overhead_samples)
+            proxied = measure(pd, "pd", num_samples=opts.overhead_samples)
             direct_url = cluster.direct_url("pd", "/pd") if opts.direct_ingress else None
             if direct_url:
                 log(f"router overhead again, straight to the router replica (direct ingress, {direct_url})")
                 direct = {**measure(direct_url, "pd", num_samples=opts.overhead_samples), "url": direct_url}
     overhead = direct or proxied  # the figure the target is read from
-    results = {name: {config: _medians(rs) for config, rs in by_config.items()} for name, by_config in runs.items()}
-    ratios = _ratios(results, overhead)
+    report = build_report(baseline, workloads, runs, scenarios, overhead)
     if direct is not None:
-        ratios["router_overhead_via_proxy_ttft_p50_ms"] = proxied["router_overhead_ttft_p50_ms"]
+        report["ratios"]["router_overhead_via_proxy_ttft_p50_ms"] = proxied["router_overhead_ttft_p50_ms"]
     return {
         "bench": "cluster",
-        "results": results,
-        "ratios": ratios,
-        "targets": {k: {"target": f"{op} {v:g}", "value": ratios.get(k), "met": _met(ratios.get(k), op, v)}
-                    for k, (op, v) in TARGETS.items() if k in ratios},
+        **report,
         "router_overhead": overhead,
         "router_overhead_via_proxy": proxied,
         "setup": _setup(opts, workloads, baseline),
@@ -190,91 +203,8 @@ def _sized(workload, opts: BenchOptions):
     return workload.scaled(factor, opts.prompt_factor, opts.rate_factor)
 
 
-def _run_all(opts: BenchOptions, workloads: dict, urls: dict, log) -> dict[str, dict[str, list[dict]]]:
-    """Every (repeat, workload, configuration), configurations rotated each repeat."""
-    from cluster.bench.cpu_probe import CpuProbe
-    from cluster.local.runs import run_workload
-
-    probe = CpuProbe.for_serve()
-    runs: dict[str, dict[str, list[dict]]] = {name: {c: [] for c in CONFIGS} for name in workloads}
-    total, done = opts.repeats * len(workloads) * len(CONFIGS), 0
-    for repeat in range(opts.repeats):
-        order = CONFIGS[repeat % len(CONFIGS):] + CONFIGS[:repeat % len(CONFIGS)]
-        for w_index, (name, workload) in enumerate(workloads.items()):
-            for c_index, config in enumerate(order):
-                app, mode = ROUTES[config]
-                seed = 10_000 * (repeat + 1) + 100 * w_index + c_index
-                before = probe.sample()
-                run = run_workload(urls[app], workload, mode, opts.out / f"r{repeat}" / name / config, seed)
-                figures = dict(run.figures(), cpu_s=probe.used(before))
-                runs[name][config].append(figures)
-                done += 1
-                log(f"[{done}/{total}] repeat {repeat} {name:15s} {config:9s} TTFT p50 {figures['ttft_p50_ms']:8.1f} "
-                    f"ITL p99 {figures['itl_p99_ms']:8.1f} goodput {figures['goodput_rps']:.3f}/s "
-                    f"failed {figures['failed']} routes {figures['routes']}")
-                time.sleep(1.0)  # heartbeats catch up: the next run starts from an idle view
-    return runs
-
-
-def _medians(repeats: list[dict]) -> dict:
-    keys = [k for k, v in repeats[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    out = {k: _median([r.get(k) for r in repeats]) for k in keys}
-    out["routes"] = _sum_dicts(r["routes"] for r in repeats)
-    out["cpu_s"] = {k: _median([r["cpu_s"].get(k) for r in repeats]) for k in repeats[0]["cpu_s"]}
-    out["repeats"] = [{k: v for k, v in r.items() if k != "cpu_s"} for r in repeats]
-    return out
-
-
-def _median(values: list) -> float | None:
-    values = [v for v in values if v is not None]
-    return round(statistics.median(values), 4) if values else None
-
-
-def _sum_dicts(dicts) -> dict:
-    total: dict = {}
-    for d in dicts:
-        for k, v in d.items():
-            total[k] = total.get(k, 0) + v
-    return total
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return round(a / b, 4) if a is not None and b else None
-
-
-def _ratios(results: dict, overhead: dict | None) -> dict:
-    """Every ratio whose workloads ran (`--workloads` may leave some out)."""
-    ratios: dict = {}
-    if "mixed" in results:
-        mixed = results["mixed"]
-        ratios.update({
-            "disagg_itl_p99_vs_colocated": _ratio(mixed["disagg"]["itl_p99_ms"], mixed["colocated"]["itl_p99_ms"]),
-            "disagg_short_itl_p99_vs_colocated": _ratio(mixed["disagg"].get("short_itl_p99_ms"),
-                                                        mixed["colocated"].get("short_itl_p99_ms")),
-            "auto_itl_p99_vs_colocated_mixed": _ratio(mixed["auto"]["itl_p99_ms"],
-                                                      mixed["colocated"]["itl_p99_ms"]),
-        })
-    if "short_low_load" in results:
-        short = results["short_low_load"]
-        ratios["auto_ttft_p50_vs_colocated_short_low_load"] = _ratio(short["auto"]["ttft_p50_ms"],
-                                                                     short["colocated"]["ttft_p50_ms"])
-    for name, by_config in results.items():
-        best = max((by_config[c]["goodput_rps"] or 0.0) for c in ("colocated", "disagg"))
-        ratios[f"auto_goodput_vs_best_{name}"] = _ratio(by_config["auto"]["goodput_rps"], best)
-    if overhead is not None:
-        ratios["router_overhead_ttft_p50_ms"] = overhead["router_overhead_ttft_p50_ms"]
-        if "router_overhead_vs_stream_p50_ms" in overhead:  # against the replica's worker stream
-            ratios["router_overhead_vs_stream_p50_ms"] = overhead["router_overhead_vs_stream_p50_ms"]
-    return ratios
-
-
-def _met(value: float | None, op: str, target: float) -> bool | None:
-    if value is None:
-        return None
-    return value <= target if op == "<=" else value >= target
-
-
 def _setup(opts: BenchOptions, workloads: dict, baseline) -> dict:
+    from cluster.bench.cluster_report import cells_setup
     from cluster.bench.sizing import describe
     from cluster.local.apps import MAX_NUM_BATCHED_TOKENS
 
@@ -284,24 +214,14 @@ def _setup(opts: BenchOptions, workloads: dict, baseline) -> dict:
         "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
         "configs": {"colocated": "2 decode replicas, every request local",
                     "disagg": "1 prefill + 1 decode, x-pd-mode: disagg (every request remote)",
-                    "auto": "1 prefill + 1 decode, x-pd-mode: auto (router decides)"},
+                    "threshold": "1 prefill + 1 decode, x-pd-mode: threshold (the token-threshold rule)",
+                    "auto": "1 prefill + 1 decode, x-pd-mode: auto, class profiles with the balanced SLOs",
+                    "auto_<cell>": "as auto, the class profiles carrying that cell's SLOs"},
+        "cells": cells_setup(),
+        "scenarios": {"run": "mixed" in workloads, "span_s": opts.scenario_span_s,
+                      "num_long": opts.scenario_num_long, "shift_half_s": opts.shift_half_s},
         "baseline": describe(baseline),
         "workloads": {name: w.describe() for name, w in workloads.items()},
-        "order": "per repeat: every workload, configurations rotated; medians over repeats",
+        "order": "per repeat: every workload, configurations rotated; then each scenario once per configuration",
         "out": str(opts.out),
     }
-
-
-def _print(result: dict, console) -> None:
-    from rich.table import Table
-
-    table = Table(title="bench cluster (medians over repeats)")
-    for column in ("workload", "config", "TTFT p50", "ITL p99", "goodput/s", "goodput %", "routes"):
-        table.add_column(column)
-    for name, by_config in result["results"].items():
-        for config, r in by_config.items():
-            table.add_row(name, config, f"{r['ttft_p50_ms']:.1f}", f"{r['itl_p99_ms']:.1f}",
-                          f"{r['goodput_rps']:.3f}", f"{100 * (r['goodput_fraction'] or 0):.0f}", str(r["routes"]))
-    console.print(table)
-    for key, target in result["targets"].items():
-        console.print(f"{key}: {target['value']} (target {target['target']}: {'met' if target['met'] else 'MISSED'})")

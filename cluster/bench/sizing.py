@@ -50,9 +50,15 @@ class Baseline:
         return self.ttft_short_ms + (output_len - 1) * self.tpot_ms
 
 
+def class_slo(b: Baseline, class_name: str, ttft_x: float = SLO_SCALE, tpot_x: float = SLO_SCALE) -> SLO:
+    """A request class's SLO as multiples of its unloaded latencies: TTFT of a prompt of
+    its length (`long`, else short), TPOT of a lone stream."""
+    ttft_ms = b.ttft_long_ms if class_name == "long" else b.ttft_short_ms
+    return SLO(ttft_ms=round(ttft_x * ttft_ms, 3), tpot_ms=round(tpot_x * b.tpot_ms, 3))
+
+
 def bench_workloads(b: Baseline) -> dict[str, ClusterWorkload]:
-    short_slo = SLO(ttft_ms=SLO_SCALE * b.ttft_short_ms, tpot_ms=SLO_SCALE * b.tpot_ms)
-    long_slo = SLO(ttft_ms=SLO_SCALE * b.ttft_long_ms, tpot_ms=SLO_SCALE * b.tpot_ms)
+    short_slo, long_slo = class_slo(b, "short"), class_slo(b, "long")
     long_s, stream_s = b.ttft_long_ms / 1000.0, b.e2e_ms(32) / 1000.0
     num_short_mixed, num_long_mixed = 40, 4
     mixed_span_s = num_short_mixed * stream_s / 2.0  # ~2 streams in flight
