@@ -176,7 +176,7 @@ class WorkloadProfile(_Strict):
 
     mode: Mode = "auto"
     slo: SLO | None = None  # None: `router.default_slo`
-    # `threshold` (and `auto` where it predicts nothing): prefill remotely at this many uncached tokens
+    # `threshold` only: prefill remotely at this many uncached tokens
     min_remote_prefill_tokens: int = Field(default=256, ge=0)
     max_prefill_queue: int = Field(default=4, ge=0)
     # threshold, a prompt spilled to the decode replica: above this many uncached tokens it

@@ -54,7 +54,7 @@ def candidates(ctx: RouteContext) -> list[Candidate]:
     slow = predict.background(req, d, ctx.num_cached_tokens, stream_slo_s(ctx))
     if slow is not None:
         out.append(slow)
-    if ctx.num_healthy_prefill > 0 and ctx.decode_has_room:
+    if ctx.num_healthy_prefill > 0:  # `auto` drops them when the decode replica has no room
         out += [predict.remote(req, p, d, hit, ctx.num_cached_tokens)
                 for p, hit in zip(ctx.prefills, ctx.prefill_cached_tokens, strict=True)]
     if ctx.whole is not None:
@@ -108,7 +108,8 @@ class AutoPolicy(RoutingPolicy):
         self.explore_fraction, self.stale_after_s = explore_fraction, stale_after_s
 
     def decide(self, ctx: RouteContext) -> RouteDecision:
-        scored = [score(ctx, c, corrected(c, self.state, self.now)) for c in candidates(ctx)]
+        scored = [score(ctx, c, corrected(c, self.state, self.now)) for c in candidates(ctx)
+                  if c.kind != "remote" or ctx.decode_has_room]
         if not scored:  # a context without replica loads: nothing to price
             return RouteDecision("local", "prefill-unhealthy" if ctx.num_healthy_prefill == 0 else "decode-busy")
         chosen = best(scored)

@@ -29,8 +29,7 @@ from typing import Literal
 Metric = Literal["ttft", "tpot"]
 Key = tuple[str, str, str]  # (metric, route, replica): TTFT by the replica that prefills, TPOT by where it decodes
 
-SMOOTHING = 0.5  # weight of the newest measurement once a key has a few samples
-FIRST_WEIGHT = 0.5  # the first measurement (often a cold path's) moves the factor half way
+SMOOTHING = 0.5  # weight of the newest measurement on the log scale (the first one moves the factor half way)
 MAX_RATIO = 8.0  # one measurement counts as at most this ratio either way
 HALF_LIFE_S = 60.0
 
@@ -108,8 +107,7 @@ class Corrections:
             return
         ratio = min(max(measured / predicted, 1.0 / MAX_RATIO), MAX_RATIO)
         old = self._corrections.get(key, Correction())
-        weight = max(SMOOTHING, min(FIRST_WEIGHT, 1.0 / (old.num_samples + 1)))
-        log_factor = (1.0 - weight) * old.log_factor + weight * math.log(ratio)
+        log_factor = (1.0 - SMOOTHING) * old.log_factor + SMOOTHING * math.log(ratio)
         self._corrections[key] = Correction(log_factor, old.num_samples + 1, now)
 
     def snapshot(self) -> LearnedState:

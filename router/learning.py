@@ -58,6 +58,7 @@ class PolicyLearner:
     def reset(self) -> None:
         self.corrections.reset()
         self.recent.clear()
+        self.metrics.correction_factor.clear()
         self.reset_at = time.time()
 
     def prediction_error(self) -> dict[str, dict[str, float | int]]:
@@ -94,6 +95,8 @@ class PolicyLearner:
         return {"router": self.router_id, "reset_at": self.reset_at,
                 "settings": {"explore_fraction": self.policy.explore_fraction,
                              "stale_after_s": self.policy.stale_after_s,
+                             "correction_half_life_s": self.settings.correction_half_life_s,
+                             "transfer_cost_max_age_s": self.settings.transfer_cost_max_age_s,
                              "default_slo": self.settings.default_slo.model_dump()},
                 "last_measured": last, "prediction_error": self.prediction_error(), "replicas": replicas}
 

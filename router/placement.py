@@ -18,6 +18,8 @@ import heapq
 from dataclasses import dataclass, field
 
 from cluster.config import SLO, WorkloadProfile
+from router import predict
+from router.auto_policy import corrected
 from router.cluster_view import ClusterView, ReplicaInfo
 from router.corrections import EMPTY, LearnedState
 from router.errors import unavailable
@@ -79,8 +81,8 @@ def place(view: ClusterView, prompt_ids: list[int], max_tokens: int, profile: Wo
     ranked = heapq.nsmallest(MAX_PREFILL_CANDIDATES, prefills, key=view.load)
     prefill = ranked[0] if ranked else None
     if not decodes:  # only prefill replicas are left: they can run requests whole
-        return _whole_on(view, prefill, hashes, hits, prompt_ids, RouteDecision("local", "decode-busy"), work,
-                         inputs)
+        decision = _whole_decision(view, prefill, prompt_ids, hits, max_tokens, profile, work, inputs)
+        return _whole_on(view, prefill, hashes, hits, prompt_ids, decision, work, inputs)
     decode, hit_blocks = _choose_decode(view, decodes, hits)
     num_cached = min(hit_blocks * view.block_size, len(prompt_ids) - 1)
     whole = prefill if offload_to_prefill and prefill is not None and _prefer_prefill(
@@ -108,6 +110,17 @@ def place(view: ClusterView, prompt_ids: list[int], max_tokens: int, profile: Wo
         return _whole_on(view, whole, hashes, hits, prompt_ids, decision, work, inputs)
     return _placed(view, "decode", decode.replica_id, None, decision, num_cached, hashes, prompt_ids, num_cached,
                    decode.replica_id, work, inputs)
+
+
+def _whole_decision(view: ClusterView, prefill: ReplicaInfo, prompt_ids: list[int], hits: list[int],
+                    max_tokens: int, profile: WorkloadProfile, work: RequestWork,
+                    inputs: PolicyInputs) -> RouteDecision:
+    """No decode replica: the request runs whole on `prefill`, priced like any candidate."""
+    cached = _cached(view, prefill, hits, prompt_ids)
+    shape = RouteContext(len(prompt_ids), cached, profile, max_tokens=max_tokens, work=work).shape
+    candidate = predict.whole(shape, view.load_of(prefill), cached)
+    return RouteDecision("local", "decode-busy", candidate=candidate,
+                         prediction=corrected(candidate, inputs.state, inputs.now))
 
 
 def _placed(view: ClusterView, deployment: str, target: str, prefill_replica: str | None, decision: RouteDecision,

@@ -245,3 +245,15 @@ def test_never_raises_and_never_disaggregates_without_a_healthy_prefill(
     if decision.prediction is not None:
         assert math.isfinite(decision.prediction.ttft_s) and decision.prediction.ttft_s >= 0
         assert math.isfinite(decision.prediction.tpot_s) and decision.prediction.tpot_s >= 0
+
+
+def test_predictions_also_where_a_fixed_mode_overrides_room_or_no_decode_replica_is_left():
+    forced = decide(ctx(profile=WorkloadProfile(mode="disagg"), decode_has_room=False))
+    assert forced.route == "disagg" and forced.prediction is not None
+    from router.cluster_view import ClusterView, ReplicaInfo
+    from router.placement import place
+
+    view = ClusterView(block_size=16, max_num_seqs=8)
+    view.update([ReplicaInfo("p1", "prefill")])
+    whole = place(view, list(range(40)), 8, AUTO, None)
+    assert whole.deployment == "prefill" and whole.decision.prediction.ttft_s > 0

@@ -9,7 +9,7 @@ chunk in a decoding step (`Scheduler.yield_tokens`): that many prompt tokens cos
 about 2/3 of their speed (a stream's TPOT SLO is usually a few times its unloaded TPOT,
 which a loaded replica already eats into), and the prefill advances at about 1/3 of its
 full speed while they decode, at full speed when they are done.
-(The `auto` policy's future TTFT/TPOT predictions start from the same two numbers.)
+(The router's predictions use the fuller linear model of `cost_model`.)
 """
 
 from __future__ import annotations
