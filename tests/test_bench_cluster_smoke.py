@@ -95,6 +95,7 @@ def test_bench_cluster_quick_prints_json(tmp_path):
         assert {f"auto_goodput_vs_best_{name}_{cell}" for cell in CELLS} <= set(report["targets"])
     hurts, shift = report["scenarios"]["disagg_hurts"], report["scenarios"]["load_shift"]
     assert hurts["delay_s"] > 0 and set(hurts["fault_at_s"]) == {"disagg", "threshold", "auto"}
+    assert hurts["num_delayed_layers"]["disagg"] > 0  # the fault really held layers back
     assert all(f["failed"] == 0 for f in hurts["figures"].values()), hurts["figures"]
     assert hurts["long_remote_share"]["num_before"] > 0
     assert set(shift) >= {"first_half", "second_half"}

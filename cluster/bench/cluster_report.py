@@ -135,7 +135,9 @@ def _scenario_output(scenarios: dict, scored: dict) -> dict:
         runs = scenario["runs"]
         extra = {k: v for k, v in scenario.items() if k not in ("workload", "runs")}
         faults = {c: r.fault_at_s for c, r in runs.items() if r.fault_at_s is not None}
-        out[name] = {**scored[name], **extra, **({"fault_at_s": faults} if faults else {}),
+        delayed = {c: r.num_delayed_layers for c, r in runs.items() if r.num_delayed_layers is not None}
+        out[name] = {**scored[name], **extra,
+                     **({"fault_at_s": faults, "num_delayed_layers": delayed} if faults else {}),
                      "workload": scenario["workload"].describe(),
                      "figures": {c: {k: v for k, v in r.figures.items() if k != "cpu_s"} for c, r in runs.items()}}
     return out

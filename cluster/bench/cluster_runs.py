@@ -11,6 +11,7 @@ starts from the replicas' step models alone and its error covers its own request
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ class RunResult:
     records: list  # RequestRecords
     prediction_error: dict | None = None  # auto: GET /admin/policy's, over this run
     fault_at_s: float | None = None  # disagg_hurts on the pd app: when the fault went on
+    num_delayed_layers: int | None = None  # ... and how many KV layers it delayed
 
 
 @dataclass
@@ -73,7 +75,11 @@ class Bench:
         before = self.probe.sample()
         run = run_workload(self.urls[config.app], workload, config.mode, out_dir, seed, on_record=on_record)
         figures = dict(run.figures(), cpu_s=self.probe.used(before))
-        error = self.admin.prediction_error() if config.cell is not None else None
+        error = None
+        if config.cell is not None:  # what the policy learned and how far off it was, kept beside the run
+            policy = self.admin.describe()
+            (out_dir / "policy.json").write_text(json.dumps(policy, indent=1) + "\n")
+            error = policy.get("prediction_error", {})
         time.sleep(PAUSE_S)
         return RunResult(figures, run.records, error)
 
@@ -113,7 +119,7 @@ def run_scenarios(bench: Bench, prompt_factor: float, span_s: float, num_long: i
             if workload is hurts and config.app == "pd":
                 with FaultSwitch(config.app, fault_at_s(workload), delay_s) as switch:
                     result = bench.run(config, workload, out_dir, seed, on_record=switch.on_record)
-                result.fault_at_s = switch.switched_at_s
+                result.fault_at_s, result.num_delayed_layers = switch.switched_at_s, switch.num_delayed_layers
             else:
                 result = bench.run(config, workload, out_dir, seed)
             runs[config.name] = result
@@ -133,6 +139,8 @@ class FaultSwitch:
         self.app, self.at_s, self.delay_s = app, at_s, delay_s
         self.base: float | None = None
         self.switched_at_s: float | None = None
+        self.num_delayed_layers: int | None = None  # while it was on (the replicas count since they started)
+        self._delayed_before = 0
         self.error: BaseException | None = None
         self._known, self._stop = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._run, name="fault-switch", daemon=True)
@@ -148,8 +156,9 @@ class FaultSwitch:
             return
         try:
             start = time.perf_counter()
-            set_prefill_faults(self.app, {"kv_layer_delay_s": self.delay_s})
+            states = set_prefill_faults(self.app, {"kv_layer_delay_s": self.delay_s})
             self.switched_at_s = round((start + time.perf_counter()) / 2 - self.base, 3)
+            self._delayed_before = _num_delayed(states)
         except Exception as e:  # noqa: BLE001 - re-raised on the bench's thread at exit
             self.error = e
 
@@ -161,11 +170,17 @@ class FaultSwitch:
         self._stop.set()
         self._known.set()
         self._thread.join()
-        set_prefill_faults(self.app, {})  # every fault off
+        states = set_prefill_faults(self.app, {})  # every fault off; each replica says what it did
+        if self.switched_at_s is not None:
+            self.num_delayed_layers = _num_delayed(states) - self._delayed_before
         if self.error is not None:
             raise RuntimeError(f"switching the KV layer delay on failed: {self.error!r}")
         if self.switched_at_s is None and exc[0] is None:
             raise RuntimeError("the run ended before the fault was due")
+
+
+def _num_delayed(states: list[dict]) -> int:
+    return sum(state.get("num_delayed_layers", 0) for state in states)
 
 
 def _line(config: Config, result: RunResult) -> str:

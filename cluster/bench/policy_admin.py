@@ -53,9 +53,11 @@ class PolicyAdmin:
         """Forget the policy's corrections and its prediction-error window."""
         self._call("POST", "/admin/policy/reset")
 
-    def prediction_error(self) -> dict:
-        """Per route since the last reset: {ttft_mape, ttft_samples, tpot_mape, tpot_samples}."""
-        return self._call("GET", "/admin/policy").get("prediction_error", {})
+    def describe(self) -> dict:
+        """GET /admin/policy: the replicas' step and transfer models, the corrections and
+        `prediction_error` (per route since the last reset: {ttft_mape, ttft_samples,
+        tpot_mape, tpot_samples})."""
+        return self._call("GET", "/admin/policy")
 
     def _call(self, method: str, path: str, **kwargs) -> dict:
         resp = httpx.request(method, self.url + path, headers=self._headers, timeout=30, **kwargs)
