@@ -131,6 +131,7 @@ def test_a_completed_transfer_leaves_a_record_on_its_sender(tiny_model_dir, back
         assert record.data_path == ("local" if backend == "local" else sink.data_path) != "none"
         assert 0 < record.tail_seconds <= record.seconds
         assert record.start_time > 0
+        assert record.peer == receiver.address != ""  # the receiver it went to
     finally:
         sender.close()
         receiver.close()
