@@ -119,10 +119,12 @@ def test_open_loop_follows_the_schedule_without_bursts(tmp_path):
     with FakeServer(ttft_ms=500, tpot_ms=100) as slow:
         s, records = run(slow, tmp_path, rate=60.0, num_requests=90, workload=str(workload), slo=SLO(ttft_ms=5000))
     lags = sorted(r.sent_at_s - r.scheduled_at_s for r in records)
-    # A semaphore or a pool cap would add seconds here; a starved client, its loop lag.
+    # A semaphore or a pool cap would add seconds here; a starved client, its loop lag. One
+    # stall of the client's process delays every send due during it but shows as a single
+    # late timer, so the tail is bounded by the worst stall, not by a percentile of them.
     loop_lag = s.env["client_loop_lag_ms"]
     assert lags[0] >= -1e-4 and statistics.median(lags) < 0.03 + loop_lag["p90"] / 1000
-    assert lags[int(0.9 * len(lags))] < 0.1 + loop_lag["p99"] / 1000
+    assert lags[int(0.9 * len(lags))] < 0.1 + loop_lag["max"] / 1000
     gaps = [b.sent_at_s - a.sent_at_s for a, b in zip(records, records[1:], strict=False)]
     planned = [b.scheduled_at_s - a.scheduled_at_s for a, b in zip(records, records[1:], strict=False)]
     assert sum(abs(g - p) for g, p in zip(gaps, planned, strict=True)) / len(gaps) < 0.05
