@@ -13,6 +13,9 @@ where (`PrefixIndex`). Where a request goes is decided from this view by
 queue is what its last heartbeat reported plus the prompts this router sent it since,
 less those that got their first token since, and never less than this router's own
 backlog there; so routers that share replicas see each other's work within a heartbeat.
+A request still prefilling on another replica already counts as a stream where it will
+decode: it joins that replica's batch within its time to first token, which is inside
+the life of anything placed there now.
 """
 
 from __future__ import annotations
@@ -63,6 +66,9 @@ class ClusterView:
         self.inflight: Counter[str] = Counter()
         self.backlog: Counter[str] = Counter()  # prompt tokens waiting for a first token
         self.awaiting_first: Counter[str] = Counter()  # target replica, before the first token
+        # decode replica: sequences prefilling elsewhere that will decode there, and their context
+        self.incoming: Counter[str] = Counter()
+        self.incoming_context: Counter[str] = Counter()
         self.excluded: set[str] = set()  # replicas that just failed a call, until the next update
         self.index = PrefixIndex(prefix_capacity_blocks)
         self.backlog_work: Counter[str] = Counter()  # their attention work (router/predict.py)
@@ -89,14 +95,15 @@ class ClusterView:
         rid = replica.replica_id
         base = self._heartbeat_load(replica)
         since = self.since.get(rid) or _Since()
-        streams = max(base.num_streams, self.num_streams(replica))
+        decoding = max(base.num_streams, self.num_streams(replica))
         per_stream = base.stream_context / base.num_streams if base.num_streams else 0.0
+        context = base.stream_context + (decoding - base.num_streams) * per_stream + self.incoming_context.get(rid, 0)
         slos = self.stream_slos.get(rid)
         return dataclasses.replace(
             base,
             queue_tokens=max(self.backlog.get(rid, 0), base.queue_tokens + since.sent_tokens - since.done_tokens),
             queue_work=max(self.backlog_work.get(rid, 0), base.queue_work + since.sent_work - since.done_work),
-            num_streams=streams, stream_context=int(base.stream_context + (streams - base.num_streams) * per_stream),
+            num_streams=decoding + self.incoming.get(rid, 0), stream_context=int(context),
             num_requests=self.load(replica), stream_tpot_slo_s=min(slos) if slos else None)
 
     def chunk_tokens(self, replica_id: str) -> int:
@@ -150,6 +157,9 @@ class ClusterView:
             self._since(placement.prefill_on).sent(placement.prefill_tokens, placement.prefill_work)
         if placement.target_replica:
             self.awaiting_first[placement.target_replica] += placement.num_sequences
+            if _prefills_elsewhere(placement):
+                self.incoming[placement.target_replica] += placement.num_sequences
+                self.incoming_context[placement.target_replica] += placement.num_sequences * placement.prompt_len
             if placement.tpot_slo_s:
                 self.stream_slos.setdefault(placement.target_replica, Counter())[placement.tpot_slo_s] += 1
 
@@ -187,6 +197,10 @@ class ClusterView:
             self._since(placement.prefill_on).done(placement.prefill_tokens, placement.prefill_work)
         if placement.target_replica:
             _decrement(self.awaiting_first, placement.target_replica, placement.num_sequences)
+            if _prefills_elsewhere(placement):
+                _decrement(self.incoming, placement.target_replica, placement.num_sequences)
+                _decrement(self.incoming_context, placement.target_replica,
+                           placement.num_sequences * placement.prompt_len)
 
 
 @dataclass
@@ -206,6 +220,10 @@ class _Since:
     def done(self, tokens: int, work: int) -> None:
         self.done_tokens += tokens
         self.done_work += work
+
+
+def _prefills_elsewhere(placement: Placement) -> bool:
+    return placement.prefill_on is not None and placement.prefill_on != placement.target_replica
 
 
 def _touched(placement: Placement) -> list[tuple[str, int]]:

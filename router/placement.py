@@ -63,6 +63,7 @@ class Placement:
     prefill_work: int = 0  # the attention work of those prompt tokens (router/predict.py)
     tpot_slo_s: float | None = None  # its workload's TPOT objective (the streams' objective there)
     ended: bool = False  # `ClusterView.end` ran: its streams no longer count on `target_replica`
+    prompt_len: int = 0  # its context when it starts decoding
 
 
 def place(view: ClusterView, prompt_ids: list[int], max_tokens: int, profile: WorkloadProfile,
@@ -132,7 +133,7 @@ def _placed(view: ClusterView, deployment: str, target: str, prefill_replica: st
     return Placement(deployment, target, prefill_replica, decision, num_cached, hashes, prefill_on=prefill_on,
                      prefill_tokens=_uncached(prompt_ids, computed_from),
                      num_sequences=work.num_sequences, prefill_work=prefill_work(start, len(prompt_ids), chunk)[2],
-                     tpot_slo_s=inputs.slo.tpot_ms / 1000.0)
+                     tpot_slo_s=inputs.slo.tpot_ms / 1000.0, prompt_len=len(prompt_ids))
 
 
 def _cached(view: ClusterView, replica: ReplicaInfo, hits: list[int], prompt_ids: list[int]) -> int:

@@ -125,8 +125,13 @@ def test_n_sequences_count_n_streams_where_they_decode():
     view.begin(four)
     assert view.inflight == {"d1": 4, "p1": 1} and view.awaiting_first == {"d1": 4}
     assert view.num_streams(view.replicas["d1"]) == 0
+    # still prefilling on p1, but the predictions already see 4 streams of 100 tokens on d1
+    incoming = view.load_of(view.replicas["d1"])
+    assert (incoming.num_streams, incoming.stream_context) == (4, 400)
     view.prefill_done(four)
     assert view.inflight == {"d1": 4} and view.num_streams(view.replicas["d1"]) == 4
+    decoding = view.load_of(view.replicas["d1"])
+    assert (decoding.num_streams, view.incoming, view.incoming_context) == (4, {}, {})
     one = place(view, [2] * 100, 8, AUTO, None, offload_to_prefill=False)
     assert one.target_replica == "d2"  # d1 holds 4 streams
     view.end(four)
