@@ -94,3 +94,28 @@ def test_tail_samples_age_out_to_the_default():
     assert fit.coefficients == DEFAULT_TRANSFER
     fit.observe(1e5, 0.6)
     assert fit.coefficients.num_samples == 1 and fit.predict(1e5) > DEFAULT_TRANSFER.fixed_s
+
+
+def test_a_changed_link_is_followed_within_a_few_transfers():
+    """A link that slows down (or recovers) is refitted from its new samples after
+    `CHANGE_RUN` misses in a row, not averaged against a window of the old link."""
+    from workers.engine.transfer_cost import CHANGE_RUN, TransferCostFit
+
+    fit = TransferCostFit()
+    rng = random.Random(5)
+    sizes = [rng.choice((1e5, 4e5, 1.6e6)) for _ in range(200)]
+    for size in sizes[:100]:
+        fit.observe(size, 0.004 + size / 1e9)
+    assert fit.predict(4e5) == pytest.approx(0.0044, rel=0.05)
+    for size in sizes[100:100 + CHANGE_RUN]:  # every transfer now waits 0.8 s more
+        fit.observe(size, 0.804 + size / 1e9)
+    assert fit.coefficients.num_samples == CHANGE_RUN and fit.predict(4e5) == pytest.approx(0.8044, rel=0.05)
+    for size in sizes[100 + CHANGE_RUN:110]:
+        fit.observe(size, 0.804 + size / 1e9)
+    for size in sizes[110:110 + CHANGE_RUN]:  # and recovers
+        fit.observe(size, 0.004 + size / 1e9)
+    assert fit.predict(4e5) == pytest.approx(0.0044, rel=0.05)
+    noisy = TransferCostFit()  # noise within 2x never restarts a fit
+    for size in sizes:
+        noisy.observe(size, (0.004 + size / 1e9) * rng.uniform(0.6, 1.6))
+    assert noisy.coefficients.num_samples == len(sizes)

@@ -11,6 +11,12 @@ replica's: it learns from its sender's `TransferRecord`s.
 A fit may forget samples older than `max_age_s`: a link measured slow a minute ago and
 not used since is predicted from the default again, so a router that stopped sending
 transfers over it because it was slow tries it again instead of avoiding it forever.
+
+A link that changes (a congested NIC, a degraded path, the fault injection's delay) shows
+as samples the fit misses the same way: when `CHANGE_RUN` samples in a row each sit more
+than `CHANGE_RATIO` times (and `CHANGE_MIN_S`) off the prediction of a fit of at least
+`2 * CHANGE_RUN` samples on the same side, the older samples are dropped and the fit restarts from those, so it follows the change
+within a few transfers instead of averaging it against a window of the old link.
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ from workers.engine.cost_model import nnls_relative
 WINDOW = 512
 TAIL_MAX_AGE_S = 60.0  # a prefill replica's tail samples are forgotten after this
 MIN_FULL_FIT = 4  # fewer samples, or one size only: bandwidth with the default fixed cost
+CHANGE_RUN = 3  # this many samples in a row, each ...
+CHANGE_RATIO = 2.0  # ... this many times off the prediction on the same side, and ...
+CHANGE_MIN_S = 0.005  # ... this far in seconds: the link changed, refit from them alone
 
 
 @dataclass(frozen=True)
@@ -55,14 +64,17 @@ class TransferCostFit:
     """Online fit of fixed + bytes / bandwidth over the last `window` samples."""
 
     def __init__(self, window: int = WINDOW, default: TransferCoefficients = DEFAULT_TRANSFER,
-                 max_age_s: float | None = None) -> None:
+                 max_age_s: float | None = None, follow_changes: bool = True) -> None:
+        self._follow_changes = follow_changes  # off for a fit pooled over links that differ
         self._bytes: deque[float] = deque(maxlen=window)
         self._seconds: deque[float] = deque(maxlen=window)
         self._at: deque[float] = deque(maxlen=window)  # time.time() of each sample
         self._default = default
+        self._prior = default  # what a fit of too few samples keeps the bandwidth of
         self._coefficients = default
         self._max_age_s = max_age_s
         self._stale = False
+        self._run: tuple[int, int] = (0, 0)  # (side the last samples missed on: +1 / -1 / 0, how many)
 
     @property
     def coefficients(self) -> TransferCoefficients:
@@ -73,10 +85,23 @@ class TransferCostFit:
 
     def observe(self, num_bytes: float, seconds: float, at: float | None = None) -> None:
         if seconds > 0 and num_bytes >= 0:
+            established = self._follow_changes and len(self._seconds) >= 2 * CHANGE_RUN
+            side = _miss_side(self.predict(num_bytes), seconds) if established else 0
             self._bytes.append(float(num_bytes))
             self._seconds.append(float(seconds))
             self._at.append(time.time() if at is None else at)
             self._stale = True
+            self._track_change(side)
+
+    def _track_change(self, side: int) -> None:
+        last, count = self._run
+        self._run = (side, count + 1 if side == last else 1) if side else (0, 0)
+        if self._run[1] >= CHANGE_RUN and len(self._seconds) > CHANGE_RUN:
+            for samples in (self._bytes, self._seconds, self._at):
+                for _ in range(len(samples) - CHANGE_RUN):
+                    samples.popleft()
+            self._run = (0, 0)
+            self._prior = self._coefficients  # the old link's bandwidth until sizes tell them apart
 
     def _expire(self, now: float) -> None:
         if self._max_age_s is None:
@@ -90,9 +115,9 @@ class TransferCostFit:
     def fit(self) -> TransferCoefficients:
         self._stale = False
         if self._seconds:
-            self._coefficients = fit_transfer(np.array(self._bytes), np.array(self._seconds), self._default)
+            self._coefficients = fit_transfer(np.array(self._bytes), np.array(self._seconds), self._prior)
         else:
-            self._coefficients = self._default  # every sample aged out
+            self._coefficients = self._prior = self._default  # every sample aged out
         return self._coefficients
 
     def predict(self, num_bytes: float) -> float:
@@ -101,16 +126,25 @@ class TransferCostFit:
         return c.fixed_s + num_bytes / c.bytes_per_s
 
 
+def _miss_side(predicted: float, seconds: float) -> int:
+    """+1 / -1 when `seconds` is far above / below `predicted`, else 0."""
+    if seconds > CHANGE_RATIO * predicted and seconds - predicted > CHANGE_MIN_S:
+        return 1
+    if seconds * CHANGE_RATIO < predicted and predicted - seconds > CHANGE_MIN_S:
+        return -1
+    return 0
+
+
 def fit_transfer(num_bytes: np.ndarray, seconds: np.ndarray,
-                 default: TransferCoefficients) -> TransferCoefficients:
+                 prior: TransferCoefficients) -> TransferCoefficients:
     """NNLS on relative error; with too few samples or a single size the two terms cannot
-    be told apart, so the default fixed cost is kept and only the bandwidth is fitted."""
+    be told apart, so the prior's bandwidth (the default's, or the link's before it
+    changed) is kept and only the fixed cost is fitted."""
     if len(seconds) >= MIN_FULL_FIT and np.ptp(num_bytes) > 0:
         fixed, per_byte = nnls_relative(np.stack([np.ones_like(num_bytes), num_bytes], axis=1), seconds)
     else:
-        fixed = min(default.fixed_s, 0.5 * float(np.min(seconds)))
-        extra = np.maximum(seconds - fixed, 0.0)
-        per_byte = float(np.median(extra / np.maximum(num_bytes, 1.0)))
+        per_byte = 1.0 / prior.bytes_per_s
+        fixed = max(0.0, float(np.median(seconds - num_bytes * per_byte)))
     bandwidth = float("inf") if per_byte <= 0 else 1.0 / per_byte
     return TransferCoefficients(float(fixed), bandwidth, len(seconds))
 
@@ -121,8 +155,9 @@ class TransferCosts:
     def __init__(self, window: int = WINDOW, default: TransferCoefficients = DEFAULT_TRANSFER,
                  max_age_s: float | None = None) -> None:
         self._window, self._default, self._max_age_s = window, default, max_age_s
+        # per pair: a change of the link restarts its fit; the pooled fit mixes links
         self._pairs: dict[tuple[str, str], TransferCostFit] = {}
-        self._pooled = TransferCostFit(window, default, max_age_s)
+        self._pooled = TransferCostFit(window, default, max_age_s, follow_changes=False)
 
     def observe(self, prefill_id: str, decode_id: str, num_bytes: float, seconds: float,
                 at: float | None = None) -> None:
