@@ -11,10 +11,15 @@ corrections (router/corrections.py):
 - `whole` on an idle prefill replica (only when the placement offers one).
 
 A candidate meets the SLO when its TTFT and this request's TPOT meet the workload's and
-the TPOT the streams beside it will see meets theirs. Of those that meet it, the one with
-the most slack wins (leximin over the slack fractions: the tightest margin first, then
-the next); when none does, the one that loses the least expected goodput (this request,
-plus each stream pushed over its objective in proportion to how far).
+the TPOT the streams beside it will see meets theirs. The candidate that loses the least
+expected goodput wins (this request, plus each stream beside it); of equal ones, the one
+with the most slack (leximin over the slack fractions: the tightest margin first, then
+the next). Before the router has measured enough outcomes of a route, its predictions
+are taken as exact: a candidate that meets the SLO loses nothing, this request counts
+whole when it misses, and each stream pushed over its objective counts in proportion to
+how far. Once it has (`LearnedState.chance_within`), each term is the chance of missing,
+from how far the route's recent outcomes landed from their predictions: slack is only
+worth what the route's spread leaves of it.
 
 Exploration: where both routes meet the SLO and the other route's measurements are
 stale, a request whose id hashes into the `explore_fraction` bucket takes the other
@@ -77,26 +82,40 @@ def corrected(candidate: Candidate, state: LearnedState, now: float) -> Predicti
     return candidate.prediction.scaled(ttft, tpot)
 
 
-def score(ctx: RouteContext, candidate: Candidate, prediction: Prediction) -> Scored:
+def score(ctx: RouteContext, candidate: Candidate, prediction: Prediction, state: LearnedState = EMPTY,
+          now: float = 0.0) -> Scored:
     slo_ttft, slo_tpot, slo_streams = ctx.slo.ttft_ms / 1000.0, ctx.slo.tpot_ms / 1000.0, stream_slo_s(ctx)
+    route = candidate.route
     ratios = [prediction.ttft_s / slo_ttft]
+    own = _chance(state, "ttft", route, prediction.ttft_s, slo_ttft, now)
     if ctx.max_tokens >= 2:
         ratios.append(prediction.tpot_s / slo_tpot)
+        own *= _chance(state, "tpot", route, prediction.tpot_s, slo_tpot, now)
     own_meets = all(r <= 1.0 for r in ratios)
     streams_ratio = prediction.streams_tpot_s / slo_streams if candidate.num_streams else 0.0
+    streams_loss = 0.0
     if candidate.num_streams:
         ratios.append(streams_ratio)
+        chance = state.chance_within("tpot", route, prediction.streams_tpot_s, slo_streams, now)
+        miss = min(1.0, max(0.0, streams_ratio - 1.0)) if chance is None else 1.0 - chance
+        streams_loss = candidate.num_streams * miss
     meets = own_meets and streams_ratio <= 1.0
-    streams_loss = candidate.num_streams * min(1.0, max(0.0, streams_ratio - 1.0))
-    loss = (0.0 if own_meets else 1.0) + streams_loss
-    return Scored(candidate, prediction, meets, tuple(sorted(1.0 - r for r in ratios)), loss)
+    return Scored(candidate, prediction, meets, tuple(sorted(1.0 - r for r in ratios)), (1.0 - own) + streams_loss)
+
+
+def _chance(state: LearnedState, metric: str, route: str, predicted_s: float, objective_s: float,
+            now: float) -> float:
+    chance = state.chance_within(metric, route, predicted_s, objective_s, now)
+    if chance is None:
+        return 1.0 if predicted_s <= objective_s else 0.0
+    return chance
+
+
+LOSS_RESOLUTION = 1e-3  # expected losses closer than this are equal: slack decides
 
 
 def best(scored: list[Scored]) -> Scored:
-    meeting = [s for s in scored if s.meets]
-    if meeting:
-        return max(meeting, key=lambda s: s.slack)
-    return min(scored, key=lambda s: (s.loss, [-x for x in s.slack]))
+    return min(scored, key=lambda s: (round(s.loss / LOSS_RESOLUTION), [-x for x in s.slack]))
 
 
 class AutoPolicy(RoutingPolicy):
@@ -108,7 +127,7 @@ class AutoPolicy(RoutingPolicy):
         self.explore_fraction, self.stale_after_s = explore_fraction, stale_after_s
 
     def decide(self, ctx: RouteContext) -> RouteDecision:
-        scored = [score(ctx, c, corrected(c, self.state, self.now)) for c in candidates(ctx)
+        scored = [score(ctx, c, corrected(c, self.state, self.now), self.state, self.now) for c in candidates(ctx)
                   if c.kind != "remote" or ctx.decode_has_room]
         if not scored:  # a context without replica loads: nothing to price
             return RouteDecision("local", "prefill-unhealthy" if ctx.num_healthy_prefill == 0 else "decode-busy")

@@ -14,13 +14,22 @@ abandoned because it was slow is tried again once the evidence has faded (and, w
 both routes are predicted to meet the SLO, re-probed by exploration sooner; see
 `router/auto_policy.py`).
 
+How far off the corrected predictions still are is kept too: per metric and route, the
+last `RESIDUALS` ratios of measured to corrected prediction. From them
+`LearnedState.chance_within` says how likely a prediction is to land inside an objective,
+which is what `auto` weighs routes by once it has `MIN_RESIDUALS` of them (a route
+predicted just inside a tight objective with a wide spread is a worse bet than one with
+less slack and a narrow one), until the route goes unmeasured for a half-life.
+
 `snapshot()` hands the policy an immutable `LearnedState`; `decide` reads only that, so
 it stays a pure function. Corrections are per router replica; `reset()` forgets them.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -32,6 +41,8 @@ Key = tuple[str, str, str]  # (metric, route, replica): TTFT by the replica that
 SMOOTHING = 0.5  # weight of the newest measurement on the log scale (the first one moves the factor half way)
 MAX_RATIO = 8.0  # one measurement counts as at most this ratio either way
 HALF_LIFE_S = 60.0
+RESIDUALS = 128  # per metric and route: the recent measured / corrected ratios kept
+MIN_RESIDUALS = 16  # fewer: a prediction is taken as exact
 
 
 @dataclass(frozen=True)
@@ -68,6 +79,8 @@ class LearnedState:
     corrections: Mapping[Key, Correction] = field(default_factory=dict)
     last_seen: Mapping[str, float] = field(default_factory=dict)  # route -> last measurement time
     half_life_s: float = HALF_LIFE_S
+    # (metric, route) -> the recent measured / corrected ratios, ascending
+    residuals: Mapping[tuple[str, str], tuple[float, ...]] = field(default_factory=dict)
 
     def factor(self, metric: Metric, route: str, replica: str, now: float) -> float:
         c = self.corrections.get((metric, route, replica))
@@ -75,6 +88,19 @@ class LearnedState:
             return 1.0
         age = max(0.0, now - c.updated_at)
         return math.exp(c.log_factor * 0.5 ** (age / self.half_life_s))
+
+    def chance_within(self, metric: Metric, route: str, predicted_s: float, objective_s: float,
+                      now: float) -> float | None:
+        """The share of recent outcomes of this metric and route that, scaled to
+        `predicted_s`, stay within `objective_s`; None with fewer than `MIN_RESIDUALS`, or
+        when the route was last measured a half-life ago (its spread fades with its
+        corrections: a route abandoned while it misbehaved is judged by the model again)."""
+        ratios = self.residuals.get((metric, route))
+        if ratios is None or len(ratios) < MIN_RESIDUALS or self.stale(route, now, self.half_life_s):
+            return None
+        if predicted_s <= 0:
+            return 1.0
+        return bisect.bisect_right(ratios, objective_s / predicted_s) / len(ratios)
 
     def stale(self, route: str, now: float, stale_after_s: float) -> bool:
         """No request of this route was measured for `stale_after_s`."""
@@ -91,9 +117,15 @@ class Corrections:
         self.half_life_s = half_life_s
         self._corrections: dict[Key, Correction] = {}
         self._last_seen: dict[str, float] = {}
+        self._residuals: dict[tuple[str, str], deque[float]] = {}
         self._snapshot: LearnedState | None = None
 
     def observe(self, outcome: Outcome, now: float) -> None:
+        state = self.snapshot()  # the residual is against the prediction as corrected before this outcome
+        self._residual("ttft", outcome.route, outcome.prefill_replica, outcome.predicted_ttft_s,
+                       outcome.measured_ttft_s, state, now)
+        self._residual("tpot", outcome.route, outcome.decode_replica, outcome.predicted_tpot_s,
+                       outcome.measured_tpot_s, state, now)
         self._update(("ttft", outcome.route, outcome.prefill_replica), outcome.predicted_ttft_s,
                      outcome.measured_ttft_s, now)
         if outcome.predicted_tpot_s is not None and outcome.measured_tpot_s is not None:
@@ -102,8 +134,15 @@ class Corrections:
         self._last_seen[outcome.route] = now
         self._snapshot = None
 
+    def _residual(self, metric: Metric, route: str, replica: str, predicted: float | None,
+                  measured: float | None, state: LearnedState, now: float) -> None:
+        if predicted is None or measured is None or not _usable(predicted, measured):
+            return
+        shown = predicted * state.factor(metric, route, replica, now)
+        self._residuals.setdefault((metric, route), deque(maxlen=RESIDUALS)).append(measured / shown)
+
     def _update(self, key: Key, predicted: float, measured: float, now: float) -> None:
-        if predicted <= 0 or measured <= 0 or not math.isfinite(predicted) or not math.isfinite(measured):
+        if not _usable(predicted, measured):
             return
         ratio = min(max(measured / predicted, 1.0 / MAX_RATIO), MAX_RATIO)
         old = self._corrections.get(key, Correction())
@@ -112,13 +151,16 @@ class Corrections:
 
     def snapshot(self) -> LearnedState:
         if self._snapshot is None:
+            residuals = {key: tuple(sorted(r)) for key, r in self._residuals.items()}
             self._snapshot = LearnedState(MappingProxyType(dict(self._corrections)),
-                                          MappingProxyType(dict(self._last_seen)), self.half_life_s)
+                                          MappingProxyType(dict(self._last_seen)), self.half_life_s,
+                                          MappingProxyType(residuals))
         return self._snapshot
 
     def reset(self) -> None:
         self._corrections.clear()
         self._last_seen.clear()
+        self._residuals.clear()
         self._snapshot = None
 
     def by_replica(self, now: float) -> dict[str, dict[str, dict]]:
@@ -129,3 +171,7 @@ class Corrections:
             entry = dict(c.to_dict(), effective=round(state.factor(metric, route, replica, now), 4))
             out.setdefault(replica, {})[f"{metric}/{route}"] = entry
         return out
+
+
+def _usable(predicted: float, measured: float) -> bool:
+    return predicted > 0 and measured > 0 and math.isfinite(predicted) and math.isfinite(measured)

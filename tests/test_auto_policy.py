@@ -257,3 +257,33 @@ def test_predictions_also_where_a_fixed_mode_overrides_room_or_no_decode_replica
     view.update([ReplicaInfo("p1", "prefill")])
     whole = place(view, list(range(40)), 8, AUTO, None)
     assert whole.deployment == "prefill" and whole.decision.prediction.ttft_s > 0
+
+
+def test_a_route_whose_outcomes_spread_wide_is_weighed_by_its_chance_of_meeting_the_slo():
+    """Both routes meet a 400 ms TTFT by their predictions and remote has more slack; once
+    remote's outcomes are seen to land at a third or three times their prediction and
+    local's on it, local is the better bet."""
+    from router.corrections import MIN_RESIDUALS
+
+    both = ctx(decode=replica("d1", queue_tokens=2000), slo=SLO(ttft_ms=400, tpot_ms=50))
+    assert decide(both, EMPTY, now=0.0).route == "disagg"
+    c = Corrections()
+    for i in range(MIN_RESIDUALS - 1):
+        c.observe(Outcome("disagg", "p1", "d1", 0.1, 0.05 if i % 2 else 0.25), now=0.0)
+        c.observe(Outcome("local", "d1", "d1", 0.1, 0.1), now=0.0)
+    few = c.snapshot()
+    assert few.chance_within("ttft", "disagg", 0.1, 0.2, 0.0) is None  # too few: predictions taken as exact
+    assert decide(both, few, now=0.0).route == "disagg"
+    c.observe(Outcome("disagg", "p1", "d1", 0.1, 0.05), now=0.0)
+    c.observe(Outcome("local", "d1", "d1", 0.1, 0.1), now=0.0)
+    state = c.snapshot()
+    assert state.chance_within("ttft", "disagg", 0.1, 0.15, 0.0) == pytest.approx(0.5)
+    assert state.chance_within("ttft", "disagg", 0.1, 1.0, 0.0) == 1.0
+    assert state.chance_within("ttft", "local", 0.1, 0.09, 0.0) == 0.0
+    chosen = decide(both, state, now=0.0)
+    assert (chosen.route, chosen.reason) == ("local", "slo-local")
+    # a route unmeasured for a half-life is judged by its prediction again
+    assert state.chance_within("ttft", "disagg", 0.1, 0.15, state.half_life_s + 1.0) is None
+    assert decide(both, state, now=state.half_life_s + 1.0).route == "disagg"
+    c.reset()
+    assert c.snapshot().residuals == {}
