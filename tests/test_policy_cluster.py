@@ -7,7 +7,8 @@ replica sends is delayed: the slow transfers reach the predictions (the prefill 
 fit of its transfer tails, the router's corrections) and routing shifts local, with
 nobody touching a threshold. Once the delay is gone the evidence ages out and remote
 comes back. Both forget within seconds here (`router.correction_half_life_s`,
-`router.transfer_cost_max_age_s`); the defaults are a minute.
+`router.transfer_cost_max_age_s`, long enough that the fourteen probes under the fault
+re-probe remote at most once); the defaults are a minute.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def _config(model_dir) -> dict:
         "decode": {"num_replicas": 1, "num_cpus": 0.25},
         "router": {"num_cpus": 0.25, "heartbeat_timeout_s": 5.0, "prefill_timeout_s": 10.0,
                    "offload_local_to_prefill": False,  # the forced-local load stays on the decode replica
-                   "correction_half_life_s": 3.0, "transfer_cost_max_age_s": 5.0, "stale_after_s": 3.0},
+                   "correction_half_life_s": 6.0, "transfer_cost_max_age_s": 15.0, "stale_after_s": 6.0},
         "transport": {"backend": "zmq", "host": "127.0.0.1"},
         "workloads": {"default": {"mode": "local"},
                       "adaptive": {"mode": "auto", "slo": {"ttft_ms": 10_000, "tpot_ms": 2_000}}},
