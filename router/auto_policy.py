@@ -2,7 +2,8 @@
 
 The decode replica is already chosen (prefix affinity, then load; router/placement.py).
 The candidates, each priced by router/predict.py and rescaled by this router's learned
-corrections (router/corrections.py):
+corrections (router/corrections.py) and, for TTFT, by how overdue the oldest prompt still
+waiting on the same route and replica is (`ReplicaLoad.overdue`):
 
 - `remote` on each of the (at most 4) least-loaded healthy prefill replicas,
 - `local` on the decode replica, in the foreground,
@@ -76,8 +77,10 @@ def stream_slo_s(ctx: RouteContext) -> float:
 
 
 def corrected(candidate: Candidate, state: LearnedState, now: float) -> Prediction:
+    """The raw prediction rescaled by what this router measured of the route on these
+    replicas, and by how late the route's oldest prompt there still waiting already is."""
     route = candidate.route
-    ttft = state.factor("ttft", route, candidate.prefill_replica, now)
+    ttft = state.factor("ttft", route, candidate.prefill_replica, now) * candidate.overdue_x
     tpot = state.factor("tpot", route, candidate.decode_replica, now)
     return candidate.prediction.scaled(ttft, tpot)
 

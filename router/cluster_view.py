@@ -15,13 +15,17 @@ less those that got their first token since, and never less than this router's o
 backlog there; so routers that share replicas see each other's work within a heartbeat.
 A request still prefilling on another replica already counts as a stream where it will
 decode: it joins that replica's batch within its time to first token, which is inside
-the life of anything placed there now.
+the life of anything placed there now. And a request still waiting for its first token
+past its predicted TTFT is evidence before it finishes: `load_of(replica, now)` reports,
+per route, how far past it the oldest one prefilling there is (`ReplicaLoad.overdue`), so
+a path that stalls (a slowed link, a stuck replica) is priced as slow while its first
+victims are still waiting, not only once they complete.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +34,9 @@ from router.replica_load import DEFAULT_CHUNK_TOKENS, ReplicaLoad, from_stats
 
 if TYPE_CHECKING:
     from router.placement import Placement
+
+OVERDUE_MARGIN_S = 0.05  # a first token this late past its prediction is jitter, not evidence
+MAX_OVERDUE = 8.0  # as a correction: one request counts as at most this ratio
 
 
 @dataclass
@@ -69,6 +76,8 @@ class ClusterView:
         # decode replica: sequences prefilling elsewhere that will decode there, and their context
         self.incoming: Counter[str] = Counter()
         self.incoming_context: Counter[str] = Counter()
+        # (route, replica that prefills): placements waiting for their first token, oldest first
+        self.waiting: dict[tuple[str, str], deque[Placement]] = {}
         self.excluded: set[str] = set()  # replicas that just failed a call, until the next update
         self.index = PrefixIndex(prefix_capacity_blocks)
         self.backlog_work: Counter[str] = Counter()  # their attention work (router/predict.py)
@@ -86,12 +95,15 @@ class ClusterView:
                 self.since[r.replica_id] = _Since()  # the new heartbeat counts what came before
         for gone in set(self.since) - set(self.replicas):
             del self.since[gone]
+        for key in [k for k in self.waiting if k[1] not in self.replicas]:
+            del self.waiting[key]
         self.excluded.clear()
         self.index.retain(self.replicas)
         self._heartbeat_loads.clear()
 
-    def load_of(self, replica: ReplicaInfo) -> ReplicaLoad:
-        """The replica's step model and queue, its heartbeat combined with this router's requests."""
+    def load_of(self, replica: ReplicaInfo, now: float | None = None) -> ReplicaLoad:
+        """The replica's step model and queue, its heartbeat combined with this router's
+        requests; with `now` (the policy's clock) also how overdue its prefills are."""
         rid = replica.replica_id
         base = self._heartbeat_load(replica)
         since = self.since.get(rid) or _Since()
@@ -104,7 +116,22 @@ class ClusterView:
             queue_tokens=max(self.backlog.get(rid, 0), base.queue_tokens + since.sent_tokens - since.done_tokens),
             queue_work=max(self.backlog_work.get(rid, 0), base.queue_work + since.sent_work - since.done_work),
             num_streams=decoding + self.incoming.get(rid, 0), stream_context=int(context),
-            num_requests=self.load(replica), stream_tpot_slo_s=min(slos) if slos else None)
+            num_requests=self.load(replica), stream_tpot_slo_s=min(slos) if slos else None,
+            overdue=self.overdue_of(rid, now) if now is not None else {})
+
+    def overdue_of(self, replica_id: str, now: float) -> dict[str, float]:
+        """Per route: the oldest request waiting for a first token from `replica_id`'s
+        prefill, its wait over its predicted TTFT (plus `OVERDUE_MARGIN_S`), where above 1."""
+        out = {}
+        for route in ("local", "disagg"):
+            queue = self.waiting.get((route, replica_id))
+            if not queue:
+                continue
+            oldest = queue[0]
+            late = (now - oldest.placed_at) / (oldest.decision.prediction.ttft_s + OVERDUE_MARGIN_S)
+            if late > 1.0:
+                out[route] = min(late, MAX_OVERDUE)
+        return out
 
     def chunk_tokens(self, replica_id: str) -> int:
         """The replica's token budget per engine step (the default before it reported one)."""
@@ -151,6 +178,9 @@ class ClusterView:
         for replica_id, num_seqs in _touched(placement):
             self.inflight[replica_id] += num_seqs
             self.index.insert(replica_id, placement.hashes)  # a prefill replica caches the prompt too
+        if placement.prefill_on and placement.decision.prediction is not None:
+            key = (placement.decision.route, placement.prefill_on)
+            self.waiting.setdefault(key, deque()).append(placement)
         if placement.prefill_on:
             self.backlog[placement.prefill_on] += placement.prefill_tokens
             self.backlog_work[placement.prefill_on] += placement.prefill_work
@@ -192,6 +222,7 @@ class ClusterView:
             return
         placement.first_token = True
         if placement.prefill_on:
+            self._drop_answered((placement.decision.route, placement.prefill_on))
             _decrement(self.backlog, placement.prefill_on, placement.prefill_tokens)
             _decrement(self.backlog_work, placement.prefill_on, placement.prefill_work)
             self._since(placement.prefill_on).done(placement.prefill_tokens, placement.prefill_work)
@@ -201,6 +232,14 @@ class ClusterView:
                 _decrement(self.incoming, placement.target_replica, placement.num_sequences)
                 _decrement(self.incoming_context, placement.target_replica,
                            placement.num_sequences * placement.prompt_len)
+
+
+    def _drop_answered(self, key: tuple[str, str]) -> None:
+        queue = self.waiting.get(key)
+        while queue and queue[0].first_token:
+            queue.popleft()
+        if queue is not None and not queue:
+            del self.waiting[key]
 
 
 @dataclass

@@ -64,6 +64,7 @@ class Placement:
     tpot_slo_s: float | None = None  # its workload's TPOT objective (the streams' objective there)
     ended: bool = False  # `ClusterView.end` ran: its streams no longer count on `target_replica`
     prompt_len: int = 0  # its context when it starts decoding
+    placed_at: float = 0.0  # the policy's clock (`PolicyInputs.now`) when it was placed
 
 
 def place(view: ClusterView, prompt_ids: list[int], max_tokens: int, profile: WorkloadProfile,
@@ -96,9 +97,9 @@ def place(view: ClusterView, prompt_ids: list[int], max_tokens: int, profile: Wo
         prefill_backlog_tokens=view.backlog[prefill.replica_id] if prefill else 0,
         decode_backlog_tokens=view.backlog[decode.replica_id], decode_num_streams=view.num_streams(decode),
         work=work, request_id=inputs.request_id, max_tokens=max_tokens, slo=inputs.slo,
-        decode=view.load_of(decode), prefills=tuple(view.load_of(p) for p in ranked),
+        decode=view.load_of(decode, inputs.now), prefills=tuple(view.load_of(p, inputs.now) for p in ranked),
         prefill_cached_tokens=tuple(_cached(view, p, hits, prompt_ids) for p in ranked),
-        whole=view.load_of(whole) if whole else None,
+        whole=view.load_of(whole, inputs.now) if whole else None,
         whole_cached_tokens=_cached(view, whole, hits, prompt_ids) if whole else 0)
     decision = decide(ctx, inputs.state, inputs.now, inputs.settings)
     kind = decision.candidate.kind if decision.candidate is not None else None
@@ -119,7 +120,7 @@ def _whole_decision(view: ClusterView, prefill: ReplicaInfo, prompt_ids: list[in
     """No decode replica: the request runs whole on `prefill`, priced like any candidate."""
     cached = _cached(view, prefill, hits, prompt_ids)
     shape = RouteContext(len(prompt_ids), cached, profile, max_tokens=max_tokens, work=work).shape
-    candidate = predict.whole(shape, view.load_of(prefill), cached)
+    candidate = predict.whole(shape, view.load_of(prefill, inputs.now), cached)
     return RouteDecision("local", "decode-busy", candidate=candidate,
                          prediction=corrected(candidate, inputs.state, inputs.now))
 
@@ -133,7 +134,7 @@ def _placed(view: ClusterView, deployment: str, target: str, prefill_replica: st
     return Placement(deployment, target, prefill_replica, decision, num_cached, hashes, prefill_on=prefill_on,
                      prefill_tokens=_uncached(prompt_ids, computed_from),
                      num_sequences=work.num_sequences, prefill_work=prefill_work(start, len(prompt_ids), chunk)[2],
-                     tpot_slo_s=inputs.slo.tpot_ms / 1000.0, prompt_len=len(prompt_ids))
+                     tpot_slo_s=inputs.slo.tpot_ms / 1000.0, prompt_len=len(prompt_ids), placed_at=inputs.now)
 
 
 def _cached(view: ClusterView, replica: ReplicaInfo, hits: list[int], prompt_ids: list[int]) -> int:

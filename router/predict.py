@@ -68,6 +68,7 @@ class Candidate:
     prediction: Prediction
     chunk_tokens: int | None = None  # `background`: the prompt tokens per decoding step
     num_streams: int = 0  # the streams beside it
+    overdue_x: float = 1.0  # the prefill replica's `ReplicaLoad.overdue` on this route (a correction)
 
     @property
     def route(self) -> str:
@@ -142,7 +143,8 @@ def remote(req: RequestShape, p: ReplicaLoad, d: ReplicaLoad, prefill_cached: in
     d_steps_left = d_queue.steps - ttft / d_queue.step_s if d_queue.steps else 0.0
     tpot = _own_tpot(req, d, d_steps_left, d_queue.step_s)
     streams = _streams_tpot(d, d_queue.steps, d_queue.step_s, after)
-    return Candidate("remote", d.replica_id, p.replica_id, Prediction(ttft, tpot, streams), num_streams=d.num_streams)
+    return Candidate("remote", d.replica_id, p.replica_id, Prediction(ttft, tpot, streams), num_streams=d.num_streams,
+                     overdue_x=p.overdue.get("disagg", 1.0))
 
 
 def local(req: RequestShape, d: ReplicaLoad, cached: int) -> Candidate:
@@ -154,7 +156,7 @@ def local(req: RequestShape, d: ReplicaLoad, cached: int) -> Candidate:
     streams = _streams_tpot(d, prefill.steps, prefill.step_s, after)
     ttft = prefill.seconds + 0.5 * current_step_s(d)
     return Candidate("local", d.replica_id, d.replica_id, Prediction(ttft, tpot, streams),
-                     num_streams=d.num_streams)
+                     num_streams=d.num_streams, overdue_x=d.overdue.get("local", 1.0))
 
 
 def background_chunk(req: RequestShape, d: ReplicaLoad, stream_tpot_slo_s: float) -> int:
@@ -192,7 +194,7 @@ def background(req: RequestShape, d: ReplicaLoad, cached: int, stream_tpot_slo_s
     busy_steps = queue.steps + steps_beside
     streams = _streams_tpot(d, busy_steps, busy_s / busy_steps if busy_steps else after, after)
     return Candidate("background", d.replica_id, d.replica_id, Prediction(ttft, tpot, streams), chunk,
-                     num_streams=d.num_streams)
+                     num_streams=d.num_streams, overdue_x=d.overdue.get("local", 1.0))
 
 
 def whole(req: RequestShape, p: ReplicaLoad, cached: int) -> Candidate:
@@ -200,7 +202,8 @@ def whole(req: RequestShape, p: ReplicaLoad, cached: int) -> Candidate:
     prefill = _prefill(p, _start(req, cached), req.prompt_len)
     tpot = _own_tpot(req, p, 0, 0.0)
     ttft = prefill.seconds + 0.5 * current_step_s(p)
-    return Candidate("whole", p.replica_id, p.replica_id, Prediction(ttft, tpot, 0.0))
+    return Candidate("whole", p.replica_id, p.replica_id, Prediction(ttft, tpot, 0.0),
+                     overdue_x=p.overdue.get("local", 1.0))
 
 
 def _start(req: RequestShape, cached: int) -> int:

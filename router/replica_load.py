@@ -34,6 +34,9 @@ class ReplicaLoad:
     address: str | None = None  # the advertised KV transport address (a transfer's peer)
     # prefill replicas: the exposed transfer tail per decode peer address, "*" for any
     transfers: dict[str, TransferCoefficients] = field(default_factory=dict)
+    # route -> how far past its predicted TTFT the oldest request still waiting for its first
+    # token from this replica's prefill is (>= 1; absent: none is late)
+    overdue: dict[str, float] = field(default_factory=dict)
 
     def transfer_to(self, peer: str | None) -> TransferCoefficients:
         return self.transfers.get(peer or "") or self.transfers.get("*") or DEFAULT_TRANSFER

@@ -227,3 +227,28 @@ def test_placement_and_policy_import_no_web_or_ray_code():
     root = Path(__file__).resolve().parent.parent
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=root)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_prompt_waiting_past_its_predicted_ttft_prices_its_path_as_slow_before_it_finishes():
+    """The first prompt runs locally, predicted ~70 ms. While it has not got its first
+    token half a second later, the local path on d1 is priced as that late and the next
+    prompt goes remote; once it answers, local is priced by the model again."""
+    from router.placement import PolicyInputs
+
+    predictive = WorkloadProfile(mode="auto")
+    view = ClusterView(block_size=16, max_num_seqs=8)
+    view.update([replica("d1", "decode"), replica("p1", "prefill")])
+
+    def placed(now: float, token: int):
+        return place(view, [token] * 600, 8, predictive, None, offload_to_prefill=False, inputs=PolicyInputs(now=now))
+
+    first = placed(0.0, 1)
+    assert (first.decision.route, first.placed_at) == ("local", 0.0)
+    view.begin(first)
+    assert placed(0.0, 2).decision.route == "local" and view.overdue_of("d1", 0.0) == {}
+    late = view.overdue_of("d1", 0.5)
+    assert late["local"] == pytest.approx(0.5 / (first.decision.prediction.ttft_s + 0.05))
+    assert placed(0.5, 2).decision.route == "disagg"
+    assert view.overdue_of("d1", 100.0) == {"local": 8.0}  # one request counts as at most 8x
+    view.prefill_done(first)
+    assert view.waiting == {} and placed(0.5, 2).decision.route == "local"
