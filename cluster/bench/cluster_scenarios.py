@@ -6,11 +6,12 @@ with the balanced SLOs) and is scored against the balanced SLOs.
   `span_s` (90 s) with half of the long prompts before and half after a fault that delays
   every KV layer the prefill replica sends (`faults.kv_layer_delay_s`, test-only), from
   the middle of the run to its end. The delay adds `FAULT_TAIL_X` times the unloaded
-  long-prompt TTFT to every transfer's exposed tail: a short prompt sent remote misses its
-  TTFT objective, a long one loses half its unloaded TTFT of slack, and the transfer
-  channel (one thread per peer, every transfer in turn) stays below saturation in
-  `disagg`. `auto` should notice and keep long prompts off the slow path: the share it
-  sends remote in the `WINDOW_S` after the fault against the share before.
+  long-prompt TTFT to every transfer's exposed tail, so that disaggregation really hurts:
+  a long prompt sent remote misses its TTFT objective (5x the unloaded TTFT) even on an
+  idle link, a short one by far, and in `disagg` the transfer channel (one thread per
+  peer, every transfer in turn) saturates, as a degraded link would. `auto` should notice
+  and keep prompts off the slow path: the share of long prompts it sends remote in the
+  `WINDOW_S` after the fault against the share before.
 - `load_shift`: `half_s` of short prompts at low load (about one stream in flight, as
   `short_low_load`), then `half_s` of long prompts at high load (as `long_high_load`),
   arrivals evenly spaced so the halves do not overlap; each half scored on its own.
@@ -27,7 +28,7 @@ from cluster.loadtest.config import SLO
 from cluster.local.traffic import ClusterWorkload, RequestClass, request_class
 
 SCENARIO_NAMES = ("disagg_hurts", "load_shift")
-FAULT_TAIL_X = 0.5  # the fault's added transfer tail, in unloaded long-prompt TTFTs
+FAULT_TAIL_X = 4.5  # the fault's added transfer tail, in unloaded long-prompt TTFTs (objective: 5x)
 WINDOW_S = 30.0  # after the fault, how long `auto` has to move long prompts off the slow path
 SHORT_STREAMS = 0.5  # disagg_hurts: short streams in flight on average
 LONG_SPACING_X = 1.5  # disagg_hurts: long prompts at least this many unloaded TTFTs apart
