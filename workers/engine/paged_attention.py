@@ -1,0 +1,55 @@
+"""The attention arithmetic over the paged cache, for the shapes `attention_plan` chooses.
+
+Layer tensors are `[2, num_blocks, block_size, num_kv_heads, head_dim]`; `query` is the
+step's packed `[num_tokens, num_heads, head_dim]`. Query head h reads KV head
+`h // (num_heads // num_kv_heads)`, as transformers' `repeat_kv` does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from workers.engine.attention_plan import InPlaceDecode, PaddedGroup
+
+
+def attend_padded(query: torch.Tensor, cache: torch.Tensor, group: PaddedGroup, scaling: float) -> torch.Tensor:
+    """`[num_real, num_heads, head_dim]`: the group's real query rows, in `group.tokens` order.
+
+    One SDPA call; the group's blocks are gathered (padded to its longest context), which
+    `attention_plan` keeps to short contexts and prompt chunks, where the math dominates."""
+    q = query[group.query_index].transpose(1, 2)  # [S, heads, L, dim]
+    kv = cache[:, group.block_table].flatten(2, 3).transpose(2, 3)  # [2, S, kv_heads, C, dim]
+    out = F.scaled_dot_product_attention(q, kv[0].to(q.dtype), kv[1].to(q.dtype), attn_mask=group.mask,
+                                         scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).flatten(0, 1)[group.rows]
+
+
+def attend_in_place(query: torch.Tensor, cache: torch.Tensor, decode: InPlaceDecode, scaling: float) -> torch.Tensor:
+    """`[B, num_heads, head_dim]` for `decode`'s sequences, reading long runs where they lie."""
+    num_kv_heads = cache.shape[3]
+    q = (query[decode.tokens] * scaling).unflatten(1, (num_kv_heads, -1))  # [B, kv_heads, group, dim]
+    slots = cache.flatten(1, 2)  # [2, num_slots, kv_heads, dim], a view
+    tail = cache[:, decode.gather_block_ids].flatten(1, 2) if decode.gather_block_ids.numel() else None
+    outs = []
+    for i, seq in enumerate(decode.seqs):
+        pieces = [slots[:, start:start + length] for start, length in seq.runs]
+        if seq.gathered[1]:
+            pieces.append(tail[:, seq.gathered[0]:seq.gathered[0] + seq.gathered[1]])
+        outs.append(attend_pieces(q[i], pieces))
+    return torch.stack(outs).flatten(1, 2)
+
+
+def attend_pieces(q: torch.Tensor, pieces: list[torch.Tensor]) -> torch.Tensor:
+    """One query token per head, `q` `[kv_heads, group, dim]` (already scaled), over keys
+    split into `pieces` `[2, n, kv_heads, dim]` (strided views are fine): one softmax
+    over all of them, so the split changes nothing but where the keys are read from."""
+    scores = [torch.matmul(q, piece[0].to(q.dtype).permute(1, 2, 0)) for piece in pieces]  # [kv_heads, group, n]
+    probs = torch.softmax(torch.cat(scores, -1).float() if len(scores) > 1 else scores[0].float(), -1).to(q.dtype)
+    out, start = None, 0
+    for piece in pieces:
+        length = piece.shape[1]
+        part = torch.matmul(probs[..., start:start + length], piece[1].to(q.dtype).transpose(0, 1))
+        out = part if out is None else out + part
+        start += length
+    return out
