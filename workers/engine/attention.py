@@ -55,6 +55,19 @@ class AttentionMetadata:
         return len(self.query_lens)
 
 
+@dataclass
+class StaticDecode:
+    """A captured decode step's attention inputs: tensors whose shapes never change and whose
+    contents are refilled before each replay. Row i is one query token; it writes the K/V of
+    row `write_rows[i]` at `slot_mapping[i]` (padding rows repeat a real row's K/V into that
+    row's slot, so they change nothing) and attends the keys of `block_table[i]` where `mask[i]`."""
+
+    slot_mapping: torch.Tensor  # [B]
+    write_rows: torch.Tensor  # [B]
+    block_table: torch.Tensor  # [B, W]
+    mask: torch.Tensor  # [B, 1, 1, W * block_size], bool
+
+
 class AttentionBackend(ABC):
     """How one layer's attention reads and writes the paged cache.
 
@@ -67,10 +80,17 @@ class AttentionBackend(ABC):
     - It returns `[num_tokens, num_heads, head_dim]` in packed order.
     `prepare` runs once per step before the first layer and may stash reusable tensors
     (masks, padded block tables) in `meta.backend_state`.
+    `static_decode_state` serves a decode step captured in a CUDA graph (cuda_graphs.py):
+    `prepare` is not called, and `forward` must read only the given static tensors.
     """
 
     def prepare(self, meta: AttentionMetadata) -> None:  # noqa: B027 - an optional hook
         """Precompute per-step state shared by all layers (optional)."""
+
+    def static_decode_state(self, static: StaticDecode) -> Any:
+        """The `backend_state` of a captured decode step over `static` (see `StaticDecode`);
+        raises NotImplementedError where this backend cannot be captured."""
+        raise NotImplementedError(f"{type(self).__name__} has no capturable decode step")
 
     @abstractmethod
     def forward(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -3,8 +3,9 @@ ops, device-agnostic.
 
 `prepare` plans the step (attention_plan.py): long decodes read their KV in place, prompt
 chunks and short decodes are attended a padded group per SDPA call. A captured decode
-step (cuda_graphs.py) hands in a fixed plan instead: one padded group over static
-buffers, and `write_rows`, which points its padding rows at a real row's K/V.
+step (cuda_graphs.py) runs a fixed plan instead: one padded group over its static
+buffers, so the graph reads the block table's width of every row's KV (the price of a
+capturable shape), and `write_rows`, which points padding rows at a real row's K/V.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.engine.attention import AttentionBackend, AttentionMetadata, write_kv
-from workers.engine.attention_plan import AttentionPlan, SeqWork, plan_step
+from workers.engine.attention import AttentionBackend, AttentionMetadata, StaticDecode, write_kv
+from workers.engine.attention_plan import AttentionPlan, PaddedGroup, SeqWork, plan_step
 from workers.engine.paged_attention import attend_in_place, attend_padded
 
 
@@ -28,11 +29,14 @@ class SdpaState:
 
 class SdpaBackend(AttentionBackend):
     def prepare(self, meta: AttentionMetadata) -> None:
-        if isinstance(meta.backend_state, SdpaState):  # a captured step's fixed plan
-            return
         works = [SeqWork(meta.query_start_locs[i], meta.query_lens[i], meta.context_lens[i], meta.block_tables[i])
                  for i in range(meta.num_seqs)]
         meta.backend_state = SdpaState(plan_step(works, meta.kv_cache.layout.block_size, meta.slot_mapping.device))
+
+    def static_decode_state(self, static: StaticDecode) -> SdpaState:
+        rows = torch.arange(static.block_table.shape[0], device=static.block_table.device)
+        group = PaddedGroup(rows[:, None], static.block_table, static.mask, rows, rows)
+        return SdpaState(AttentionPlan([group], None), static.write_rows)
 
     def forward(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 meta: AttentionMetadata, scaling: float) -> torch.Tensor:
