@@ -137,3 +137,16 @@ def test_greedy_output_with_graphs_matches_transformers(make_engine, monkeypatch
     hf_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     assert [o.token_ids for o in outs] == [hf_greedy(hf_model, p, n) for p, n in zip(prompts, MAX_TOKENS, strict=True)]
     assert engine.runner.graphs.captured  # decode steps went through the graphs
+
+
+def test_a_failed_capture_leaves_decoding_eager(tiny_model_dir):
+    def failing_capture(step):
+        step()  # the warm-up ran, then capture failed
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    runner = ModelRunner(str(tiny_model_dir), torch.device("cpu"), torch.float32, BLOCK_SIZE, 64, 0.9, 0,
+                         cuda_graphs=True, max_num_seqs=4, graph_capture=failing_capture)
+    scheduled = decode_batch(2, 20, BLOCK_SIZE)
+    for _ in range(2):
+        assert runner.run(scheduled, [])[0].shape[0] == 2
+    assert runner.graphs.failed and not runner.graphs.captured

@@ -3,6 +3,9 @@
 1. The engine generates in bf16 on CUDA (a tiny random model made in a temp dir).
 2. Two processes move bf16 CUDA layers through the real `shm` sender and receiver, and
    the layers land bit-identical through CUDA IPC device slots (not staged via host memory).
+3. Decode steps replayed from captured CUDA graphs give the eager step's logits (fp32,
+   tiny model), and the model runner's decode step time with and without graphs at batch
+   1, 8, 32 and contexts 512, 2,048 (bf16, `small` preset) is reported.
 
 Prints one JSON line of results; exits 1 if a check failed. Without CUDA it says so and
 prints `{"cuda": false}` (exit 0), so CPU tests can run it. Ray is never imported: the GPU
@@ -21,6 +24,9 @@ import time
 import torch
 
 LAYERS, BLOCKS, TIMEOUT_S = 4, 8, 60.0
+DECODE_SHAPES = ((1, 512), (8, 512), (32, 512), (1, 2048), (8, 2048), (32, 2048))  # (batch, context)
+# fp32 graph and eager steps differ only in summation order (padded group vs in place).
+GRAPH_LOGIT_TOLERANCE = 1e-3
 
 
 def _config():
@@ -47,6 +53,42 @@ def check_engine(model_dir: str) -> dict:
         out += [o for o in engine.step() if o.finished]
     tokens = out[-1].token_ids
     return {"engine_ok": len(tokens) == 8, "engine_tokens": tokens}
+
+
+def check_decode_graphs(model_dir: str, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
+                        shapes: tuple[tuple[int, int], ...] = DECODE_SHAPES, num_steps: int = 20,
+                        graph_capture=None) -> list[dict]:
+    """Per (batch, context): the runner's decode step (median ms) eager and from graphs, and
+    the largest logit difference between the two on that step. `graph_capture` stands in
+    for `torch.cuda.graph` where there is none (CPU tests of this harness)."""
+    from workers.engine.decode_probe import blocks_needed, decode_batch, randomize_kv, time_decode
+    from workers.engine.model_runner import ModelRunner
+
+    num_blocks = max(blocks_needed(b, c, 16) for b, c in shapes)
+    runners = {graphs: ModelRunner(model_dir, torch.device(device), dtype, 16, num_blocks, 0.9, 0,
+                                   cuda_graphs=graphs, max_num_seqs=max(b for b, _ in shapes),
+                                   graph_capture=graph_capture if graphs else None)
+               for graphs in (False, True)}
+    for runner in runners.values():
+        randomize_kv(runner)
+    rows = []
+    for batch, context in shapes:
+        scheduled = decode_batch(batch, context, 16)
+        eager_logits, graph_logits = (runners[g].run(scheduled, [])[0] for g in (False, True))
+        eager, graphed = (time_decode(runners[g], batch, context, num_steps) for g in (False, True))
+        rows.append({"batch": batch, "context": context, "eager_ms": eager.step_ms, "graph_ms": graphed.step_ms,
+                     "speedup": round(eager.step_ms / graphed.step_ms, 2),
+                     "max_logit_diff": float((eager_logits - graph_logits).abs().max())})
+    return rows
+
+
+def check_graphs(model_dir: str, timing_model_dir: str) -> dict:
+    """Graphs agree with eager steps in fp32, then the bf16 timings."""
+    agreement = check_decode_graphs(model_dir, "cuda", torch.float32, ((1, 40), (3, 100), (8, 300)), num_steps=1)
+    timings = check_decode_graphs(timing_model_dir, "cuda", torch.bfloat16)
+    return {"graphs_ok": all(r["max_logit_diff"] < GRAPH_LOGIT_TOLERANCE for r in agreement),
+            "graphs_fp32_max_logit_diff": max(r["max_logit_diff"] for r in agreement),
+            "decode_steps_bf16_small": timings}
 
 
 def _send(key: str, jobs: list[tuple[str, str, int]], device: str, results) -> None:
@@ -120,10 +162,12 @@ def run() -> dict:
     start = time.monotonic()
     result: dict = {"cuda": True, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
     with tempfile.TemporaryDirectory() as tmp:
-        result.update(check_engine(str(make_model(f"{tmp}/tiny", "tiny", 0))))
+        tiny = str(make_model(f"{tmp}/tiny", "tiny", 0))
+        result.update(check_engine(tiny))
+        result.update(check_graphs(tiny, str(make_model(f"{tmp}/small", "small", 0))))
     result.update(check_ipc_transfer())
     result["ok"] = (result["engine_ok"] and result["ipc_bit_identical"] and result["ipc_sender"] == "ok"
-                    and result["ipc_device_mappings"] > 0)
+                    and result["ipc_device_mappings"] > 0 and result["graphs_ok"])
     result["seconds"] = round(time.monotonic() - start, 1)
     return result
 

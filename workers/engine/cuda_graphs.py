@@ -17,6 +17,7 @@ but `torch.cuda.graph` itself.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ import torch
 
 from workers.engine.attention import StaticDecode
 
+log = logging.getLogger(__name__)
 MIN_WIDTH_BLOCKS = 16
 StepFn = Callable[[], torch.Tensor]  # runs the model on the static buffers, returns logits [B, vocab]
 Capture = Callable[[StepFn], tuple[Callable[[], None], torch.Tensor]]  # -> (replay, static logits)
@@ -116,8 +118,11 @@ class DecodeGraphs:
         self.batches, self.widths = batch_buckets(max_num_seqs), width_buckets(max_blocks)
         self.block_size, self.device = block_size, device
         self.captured: dict[tuple[int, int], CapturedStep] = {}
+        self.failed = False  # a capture raised: every step runs eagerly from then on
 
     def bucket(self, inputs: DecodeInputs) -> tuple[int, int] | None:
+        if self.failed:
+            return None
         batch = smallest_at_least(inputs.num_seqs, self.batches)
         width = smallest_at_least(-(-max(inputs.context_lens) // self.block_size), self.widths)
         return None if batch is None or width is None else (batch, width)
@@ -129,14 +134,28 @@ class DecodeGraphs:
             return None
         captured = self.captured.get(key)
         if captured is None:
-            buffers = DecodeBuffers.allocate(*key, self.block_size, self.device)
-            buffers.fill(inputs)
-            replay, logits = self.capture(lambda: self.step(buffers))
-            captured = self.captured[key] = CapturedStep(buffers, replay, logits)
+            captured = self._capture(key, inputs)
+            if captured is None:
+                return None
         else:
             captured.buffers.fill(inputs)
         captured.replay()
         return captured.logits[:inputs.num_seqs].to(torch.float32, copy=True)
+
+    def _capture(self, key: tuple[int, int], inputs: DecodeInputs) -> CapturedStep | None:
+        """Capture with `inputs` already in the buffers (the warm-up run is then a correct
+        eager step, and so is anything it wrote to the cache before a failure)."""
+        buffers = DecodeBuffers.allocate(*key, self.block_size, self.device)
+        buffers.fill(inputs)
+        try:
+            replay, logits = self.capture(lambda: self.step(buffers))
+        except RuntimeError:  # the model does something a graph cannot hold: keep serving, eagerly
+            log.warning("decode step (batch, width) %s could not be captured; decoding eagerly from now on",
+                        key, exc_info=True)
+            self.failed = True
+            return None
+        self.captured[key] = CapturedStep(buffers, replay, logits)
+        return self.captured[key]
 
 
 def eager_capture(step: StepFn) -> tuple[Callable[[], None], torch.Tensor]:
