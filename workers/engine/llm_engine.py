@@ -9,6 +9,7 @@ decode workers (KV imported through `reserve_kv` / `write_kv_layer` / `commit_kv
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 import time
 from collections import deque
@@ -46,7 +47,7 @@ from workers.engine.sampler import Sampler, SamplerOutput, SamplingRow, request_
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import DEFAULT_YIELD_TOKENS, ScheduledSeq, Scheduler
 from workers.engine.sequence import RequestOutput, Sequence, TokenLogprob
-from workers.engine.step_cost import StepCostModel, StepRecord
+from workers.engine.step_cost import ForwardTimer, StepCostModel, StepPhases, StepRecord
 from workers.engine.warmup import warmup
 
 
@@ -71,6 +72,8 @@ class LLMEngine:
         self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
         self.detokenize = detokenize
         self.step_records: deque[StepRecord] = deque(maxlen=max_step_records)
+        self.step_phases: deque[StepPhases] = deque(maxlen=max_step_records)  # the latest steps, newest last
+        self._forward_timer = ForwardTimer(self.runner.model)
         self.step_cost = StepCostModel()  # sizes `yield_tokens`
         self.cost_fit = StepCostFit()  # the linear step model the router predicts with (`stats`)
         self.num_background_requests = 0  # added with `yield_to_decode` (spilled prompts)
@@ -173,26 +176,33 @@ class LLMEngine:
                 outputs, self._pending = self._pending, []
                 return self.best_of.collect(outputs)
             start_time, t0 = time.time(), time.perf_counter()
-            outputs = []
             batch = self.scheduler.schedule()
-            if batch:
-                sampling = [s for s in batch if s.needs_sample]
-                masks = self._start_grammar_masks(sampling)
-                logits, prompt_logits = self.runner.run(batch, self._exports(batch))
-                self._add_prompt_logprobs(batch, prompt_logits)
-                allowed = masks.result() if masks else [None] * len(sampling)
-                sampled = self.sampler.sample(logits, [self._sampling_row(s.seq, a)
-                                                       for s, a in zip(sampling, allowed, strict=True)])
-                for s in batch:
-                    s.seq.num_computed_tokens = s.end
-                    self.block_manager.cache_full_blocks(s.seq)
-                forked = self._fork(sampling, logits, sampled, allowed)  # before a parent that ends frees its blocks
-                outputs = [self._append_token(s.seq, t, lp)
-                           for s, t, lp in zip(sampling, sampled.token_ids, sampled.logprobs, strict=True)]
-                add_scores([s.seq for s in sampling], logits)
-                outputs += forked
-            self._record_step(batch, start_time, time.perf_counter() - t0)
+            stamps = [t0, time.perf_counter()]
+            outputs = self._run(batch, stamps) if batch else []
+            self._record_step(batch, start_time, stamps)
             return self.best_of.collect(outputs)
+
+    def _run(self, batch: list[ScheduledSeq], stamps: list[float]) -> list[RequestOutput]:
+        """Run, sample and account one scheduled batch; stamps the end of each phase
+        (the forward, sampling, output) onto `stamps`."""
+        sampling = [s for s in batch if s.needs_sample]
+        masks = self._start_grammar_masks(sampling)
+        logits, prompt_logits = self.runner.run(batch, self._exports(batch))
+        stamps.append(time.perf_counter())
+        self._add_prompt_logprobs(batch, prompt_logits)
+        allowed = masks.result() if masks else [None] * len(sampling)
+        sampled = self.sampler.sample(logits, [self._sampling_row(s.seq, a)
+                                               for s, a in zip(sampling, allowed, strict=True)])
+        stamps.append(time.perf_counter())
+        for s in batch:
+            s.seq.num_computed_tokens = s.end
+            self.block_manager.cache_full_blocks(s.seq)
+        forked = self._fork(sampling, logits, sampled, allowed)  # before a parent that ends frees its blocks
+        outputs = [self._append_token(s.seq, t, lp)
+                   for s, t, lp in zip(sampling, sampled.token_ids, sampled.logprobs, strict=True)]
+        add_scores([s.seq for s in sampling], logits)
+        stamps.append(time.perf_counter())
+        return outputs + forked
 
     def _fork(self, sampling: list[ScheduledSeq], logits: torch.Tensor, sampled: SamplerOutput,
               allowed: list[torch.Tensor | None]) -> list[RequestOutput]:
@@ -299,7 +309,12 @@ class LLMEngine:
         """A sequence's prompt logprobs go with its first token only."""
         return seq.prompt_logprobs if len(seq.output_token_ids) == len(new_token_ids) == 1 else None
 
-    def _record_step(self, batch: list[ScheduledSeq], start_time: float, step_time_s: float) -> None:
+    def _record_step(self, batch: list[ScheduledSeq], start_time: float, stamps: list[float]) -> None:
+        """`stamps`: perf_counter at the step's start and at the end of each phase that ran."""
+        stamps += [stamps[-1]] * (5 - len(stamps))  # a step without a batch schedules only
+        schedule_s, run_s, sample_s, output_s = (b - a for a, b in itertools.pairwise(stamps))
+        self.step_phases.append(StepPhases(schedule_s, run_s, self._forward_timer.take(), sample_s, output_s))
+        step_time_s = stamps[-1] - stamps[0]
         # The step has advanced each sequence: its chunk was [computed - new, computed).
         chunks = [(s.seq.num_computed_tokens - s.num_new_tokens, s.seq.num_computed_tokens, s.seq)
                   for s in batch]

@@ -14,7 +14,10 @@ full speed while they decode, at full speed when they are done.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+
+import torch
 
 YIELD_STEP_FRACTION = 0.5  # a background chunk's cost, in decode steps
 MIN_PREFILL_TOKENS = 64  # shorter chunks are dominated by per-step overhead, not tokens
@@ -35,6 +38,53 @@ class StepRecord:
     num_prefill_seqs: int = 0  # sequences that computed prompt tokens this step
     # sum over prefill chunks of chunk tokens x tokens the chunk attends to (its end)
     prefill_attention_work: int = 0
+
+
+@dataclass(frozen=True)
+class StepPhases:
+    """Where one step's time went, from perf_counter stamps the step takes anyway (a
+    record apart from `StepRecord`, which travels in heartbeats as flat numbers).
+
+    `run_s` is the model runner's whole call: the step's attention metadata and input
+    tensors, then the model's forward (`forward_s`, None when the forward ran without
+    passing through the module's hooks). On a GPU the forward is launched, not finished,
+    when `run_s` ends: sampling's first host read waits for it.
+    """
+
+    schedule_s: float
+    run_s: float
+    forward_s: float | None
+    sample_s: float  # prompt logprobs, grammar masks, the sampler
+    output_s: float  # token bookkeeping, forks, finish checks, text
+
+    @property
+    def metadata_s(self) -> float | None:
+        return None if self.forward_s is None else max(0.0, self.run_s - self.forward_s)
+
+    @property
+    def step_s(self) -> float:
+        return self.schedule_s + self.run_s + self.sample_s + self.output_s
+
+
+class ForwardTimer:
+    """The wall time of a module's forward, by hooks that stamp its start and end."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self._start = self._end = 0.0
+        module.register_forward_pre_hook(self._stamp_start)
+        module.register_forward_hook(self._stamp_end)
+
+    def _stamp_start(self, *_) -> None:
+        self._start = time.perf_counter()
+
+    def _stamp_end(self, *_) -> None:
+        self._end = time.perf_counter()
+
+    def take(self) -> float | None:
+        """The last forward's seconds since the previous `take`; None if none ran since."""
+        elapsed = self._end - self._start if self._end > self._start else None
+        self._start = self._end = 0.0
+        return elapsed
 
 
 @dataclass
