@@ -21,15 +21,22 @@ from pathlib import Path
 
 import torch
 
+from cluster.bench.engine_efficiency import measure_efficiency
+from cluster.bench.engine_mismatches import (
+    NextLogits,
+    classify_by_logprobs,
+    classify_mismatches,
+    hf_next_logits,
+    mismatches,
+)
+from cluster.bench.engine_profile import run_profile
+from workers.engine.sequence import TokenLogprob
+
 DEFAULT_MODEL_CACHE = Path("~/.cache/pdcluster/models").expanduser()
 HF_BATCH_SIZES = (8, 16, 32)
 NUM_BYTE_TOKENS = 256  # prompts use byte tokens only, never specials
-# Two logits this close are a tie in fp32: batched and unbatched matmuls sum in different
-# orders and differ by ~1e-6 relative, which can flip the argmax between them.
-NEAR_TIE_LOGIT_GAP = 1e-4
-MAX_MISMATCH_EXAMPLES = 10
+NUM_TOP_LOGPROBS = 2  # the engine's top two, to tell a near tie at a mismatch
 Log = Callable[[str], None]
-NextLogits = Callable[[list[int]], torch.Tensor]  # token ids -> the next token's logits [vocab]
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,8 @@ class BenchConfig:
     output_len_range: tuple[int, int] = (16, 128)
     hf_batch_sizes: tuple[int, ...] = HF_BATCH_SIZES
     max_num_batched_tokens: int = 1024  # the engine's token budget; HF CB gets the same
+    decode_batches: tuple[int, ...] = (1, 8, 32)  # decode shapes measured against the read floor
+    decode_contexts: tuple[int, ...] = (512, 2048)
     model_cache: Path = DEFAULT_MODEL_CACHE
 
 
@@ -63,6 +72,7 @@ class RunResult:
     # swings with the neighbours, CPU time much less.
     cpu_s: float
     extra: dict
+    logprobs: list[list[TokenLogprob]] | None = None  # per request and token, when asked for
 
     def summary(self, num_output_tokens: int) -> dict:
         return {"name": self.name, "tokens_per_s": round(num_output_tokens / self.wall_s, 2),
@@ -91,19 +101,27 @@ def _timed(fn: Callable[[], list[list[int]]]) -> tuple[list[list[int]], float, f
 
 # -- runners ---------------------------------------------------------------------------------
 
-def run_engine(model_dir: Path, workload: Workload, cfg: BenchConfig) -> RunResult:
+def run_engine(model_dir: Path, workload: Workload, cfg: BenchConfig, num_logprobs: int | None = None) -> RunResult:
+    """The timed engine run; with `num_logprobs`, each token's logprob and top alternatives
+    too (the same steps, so the same tokens: logprobs are read off the raw logits)."""
     from workers.engine import LLMEngine, SamplingParams
 
     engine = LLMEngine(str(model_dir), device="cpu", dtype="float32",
                        max_num_seqs=max(64, len(workload.prompts)),
                        max_num_batched_tokens=cfg.max_num_batched_tokens, detokenize=False)
+    outputs = []
 
     def generate(w: Workload) -> list[list[int]]:
-        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in w.output_lens]
-        return [list(out.token_ids) for out in engine.generate(w.prompts, params)]
+        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=num_logprobs)
+                  for n in w.output_lens]
+        outputs[:] = engine.generate(w.prompts, params)
+        return [list(out.token_ids) for out in outputs]
 
     generate(warmup_workload(workload))
-    return RunResult("pdcluster", *_timed(lambda: generate(workload)), {})
+    result = RunResult("pdcluster", *_timed(lambda: generate(workload)), {})
+    if num_logprobs is not None:
+        result.logprobs = [list(out.logprobs or ()) for out in outputs]
+    return result
 
 
 def load_hf_model(model_dir: Path):
@@ -172,57 +190,6 @@ def _cb_generate(manager, w: Workload) -> list[list[int]]:
 
 # -- the benchmark -----------------------------------------------------------------------------
 
-def mismatches(reference: list[list[int]], other: list[list[int]]) -> list[dict]:
-    """Requests whose tokens differ, with the first position that differs."""
-    out = []
-    for i, (a, b) in enumerate(zip(reference, other, strict=True)):
-        if a != b:
-            first = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-            out.append({"request": i, "first_diff_at": first, "len": [len(a), len(b)]})
-    return out
-
-
-def classify_divergence(logits: torch.Tensor, token_a: int, token_b: int,
-                        tol: float = NEAR_TIE_LOGIT_GAP) -> dict:
-    """Two runners chose `token_a` and `token_b` from `logits` [vocab]: a `near_tie` when
-    both are within `tol` of the top logit (then they are its top two), else `real`.
-    `logit_gap`: the top logit minus the lower of the two."""
-    top = logits.max().item()
-    gap = top - min(logits[token_a].item(), logits[token_b].item())
-    return {"kind": "near_tie" if gap <= tol else "real", "logit_gap": gap}
-
-
-def classify_mismatches(found: dict[str, list[dict]], reference: list[list[int]], others: dict[str, list[list[int]]],
-                        prompts: list[list[int]], next_logits: NextLogits) -> dict:
-    """Counts of `near_tie` and `real` mismatches over every runner, with the first
-    `MAX_MISMATCH_EXAMPLES` of them. A length difference without a differing token is `real`."""
-    counts = {"near_tie": 0, "real": 0}
-    examples = []
-    logits_cache: dict[tuple[int, int], torch.Tensor] = {}
-    for runner, entries in found.items():
-        for entry in entries:
-            i, first = entry["request"], entry["first_diff_at"]
-            ours, theirs = reference[i], others[runner][i]
-            verdict: dict = {"kind": "real", "logit_gap": None}
-            if first < min(len(ours), len(theirs)):
-                if (i, first) not in logits_cache:  # runners often part at the same place
-                    logits_cache[i, first] = next_logits(prompts[i] + ours[:first])
-                verdict = classify_divergence(logits_cache[i, first], ours[first], theirs[first])
-                verdict["tokens"] = [ours[first], theirs[first]]
-            counts[verdict["kind"]] += 1
-            if len(examples) < MAX_MISMATCH_EXAMPLES:
-                examples.append({"runner": runner, **entry, **verdict})
-    return {**counts, "examples": examples}
-
-
-def hf_next_logits(model) -> NextLogits:
-    @torch.inference_mode()
-    def next_logits(token_ids: list[int]) -> torch.Tensor:
-        return model(torch.tensor([token_ids])).logits[0, -1].float()
-
-    return next_logits
-
-
 def run_benchmark(cfg: BenchConfig, log: Log = lambda _: None) -> dict:
     from workers.model_files import ensure_model
 
@@ -233,6 +200,8 @@ def run_benchmark(cfg: BenchConfig, log: Log = lambda _: None) -> dict:
     log("pdcluster engine ...")
     engine = run_engine(model_dir, workload, cfg)
     log(f"  {engine.wall_s:.1f} s")
+    efficiency = measure_efficiency(model_dir, cfg.max_num_batched_tokens, cfg.decode_batches,
+                                    cfg.decode_contexts, log)
     model = load_hf_model(model_dir)
     by_batch_size = {}
     for batch_size in cfg.hf_batch_sizes:
@@ -242,26 +211,53 @@ def run_benchmark(cfg: BenchConfig, log: Log = lambda _: None) -> dict:
     log("transformers continuous batching ...")
     hf_cb = run_hf_continuous_batching(model, workload, cfg)
     log(f"  {hf_cb.wall_s:.1f} s")
-    return report(cfg, workload, engine, by_batch_size, hf_cb, hf_next_logits(model))
+    engine_logprobs = None
+    if any(r.token_ids != engine.token_ids for r in [*by_batch_size.values(), hf_cb]):
+        log("pdcluster engine again, with logprobs, to classify the mismatches ...")
+        engine_logprobs = same_run_logprobs(engine, run_engine(model_dir, workload, cfg, NUM_TOP_LOGPROBS))
+    return report(cfg, workload, engine, by_batch_size, hf_cb, hf_next_logits(model), efficiency, engine_logprobs)
 
 
-def report(cfg: BenchConfig, workload: Workload, engine: RunResult,
-           by_batch_size: dict[int, RunResult], hf_cb: RunResult, next_logits: NextLogits) -> dict:
+def run_profile_report(cfg: BenchConfig, context: int, log: Log = lambda _: None) -> dict:
+    """`bench engine --profile`: the step phases at `cfg.decode_batches` and `context`, and a prefill step."""
+    from workers.model_files import ensure_model
+
+    model_dir = ensure_model(cfg.model_cache / f"{cfg.preset}-0", cfg.preset, 0)
+    profile = run_profile(model_dir, cfg.max_num_batched_tokens, cfg.decode_batches, context, log)
+    return {"profile": profile, "workload": {"preset": cfg.preset, "decode_context": context,
+                                             "chunk_tokens": cfg.max_num_batched_tokens, "detokenize": True},
+            "env": env()}
+
+
+def same_run_logprobs(timed: RunResult, rerun: RunResult) -> list[list[TokenLogprob]] | None:
+    """The rerun's logprobs when it produced the timed run's tokens (it computes the same
+    steps); None otherwise, as then they would describe other text."""
+    return rerun.logprobs if rerun.token_ids == timed.token_ids else None
+
+
+def report(cfg: BenchConfig, workload: Workload, engine: RunResult, by_batch_size: dict[int, RunResult],
+           hf_cb: RunResult, next_logits: NextLogits, efficiency: dict,
+           engine_logprobs: list[list[TokenLogprob]] | None = None) -> dict:
+    """`efficiency`: `measure_efficiency`'s limits and ratios. `engine_logprobs`: the
+    engine's top logprobs per request and token, to classify mismatches by (when any)."""
     n = workload.num_output_tokens
     hf_gen = min(by_batch_size.values(), key=lambda r: r.wall_s)
     hf_gen.extra["by_batch_size"] = {str(bs): r.summary(n)["tokens_per_s"] for bs, r in by_batch_size.items()}
     results = [engine.summary(n), hf_gen.summary(n), hf_cb.summary(n)]
-    found = {f"hf_generate_bs{bs}": mismatches(engine.token_ids, r.token_ids) for bs, r in by_batch_size.items()}
-    found["hf_continuous_batching"] = mismatches(engine.token_ids, hf_cb.token_ids)
     others = {f"hf_generate_bs{bs}": r.token_ids for bs, r in by_batch_size.items()}
     others["hf_continuous_batching"] = hf_cb.token_ids
+    found = {runner: mismatches(engine.token_ids, token_ids) for runner, token_ids in others.items()}
     classified = classify_mismatches(found, engine.token_ids, others, workload.prompts, next_logits)
+    classified["by_engine_logprobs"] = (None if engine_logprobs is None else
+                                        classify_by_logprobs(found, engine.token_ids, others, engine_logprobs))
     return {
         "results": results,
         "ratios": {"vs_hf_generate": round(hf_gen.wall_s / engine.wall_s, 3),
-                   "vs_hf_continuous_batching": round(hf_cb.wall_s / engine.wall_s, 3)},
+                   "vs_hf_continuous_batching": round(hf_cb.wall_s / engine.wall_s, 3),
+                   **efficiency["ratios"]},
         "cpu_time_ratios": {"vs_hf_generate": round(hf_gen.cpu_s / engine.cpu_s, 3),
                             "vs_hf_continuous_batching": round(hf_cb.cpu_s / engine.cpu_s, 3)},
+        "limits": efficiency["limits"],
         "identical_tokens": not any(found.values()),
         "identical_or_near_tie": classified["real"] == 0,
         "mismatches": classified,
@@ -270,9 +266,13 @@ def report(cfg: BenchConfig, workload: Workload, engine: RunResult,
                      "output_len_range": list(cfg.output_len_range),
                      "num_prompt_tokens": sum(len(p) for p in workload.prompts),
                      "num_output_tokens": n, "greedy": True, "ignore_eos": True},
-        "env": {"torch": torch.__version__, "transformers": _transformers_version(),
-                "torch_threads": torch.get_num_threads(), "device": "cpu", "dtype": "float32"},
+        "env": env(),
     }
+
+
+def env() -> dict:
+    return {"torch": torch.__version__, "transformers": _transformers_version(),
+            "torch_threads": torch.get_num_threads(), "device": "cpu", "dtype": "float32"}
 
 
 def _transformers_version() -> str:
