@@ -18,7 +18,8 @@ From that and the replica's queue (`ReplicaLoad`) follow, per candidate:
   decoding the streams there (which wait for those steps).
 - `background`: as `local`, but in a step that decodes streams the prompt takes only a
   chunk sized so the step stays inside the streams' TPOT objective (prefill deflection);
-  at full speed once they are done.
+  priced as if streams stay beside it to the end (new ones keep arriving where streams
+  decode).
 - `whole`: the request runs, prefill and decode, on an idle prefill replica.
 
 A stream's TPOT is its mean gap over the tokens it has left, so the prediction for the
@@ -179,14 +180,14 @@ def background(req: RequestShape, d: ReplicaLoad, cached: int, stream_tpot_slo_s
     chunk = background_chunk(req, d, stream_tpot_slo_s)
     queue = _prefill(d, 0, 0)  # the foreground prompts go first
     start = _start(req, cached)
-    life_left = max(d.stream_tokens_left - queue.steps, 0.0)  # steps the streams still decode after the queue
-    steps_beside = min(math.ceil((req.prompt_len - start) / chunk), math.ceil(life_left))
-    beside_end = min(req.prompt_len, start + steps_beside * chunk)
-    _, tokens, work = prefill_work(start, beside_end, chunk)
+    # Beside streams to the end: the streams there now may finish sooner, but on a replica
+    # that decodes, new ones keep arriving (and their prompts go first), so a background
+    # prefill rarely gets a step to itself; a model that assumed it would ran 4-6x short.
+    steps_beside = math.ceil((req.prompt_len - start) / chunk)
+    _, tokens, work = prefill_work(start, req.prompt_len, chunk)
     c = d.coefficients
     beside_s = (steps_beside * decode_step_s(d) + c.prefill_token_s * tokens + c.prefill_attention_s * work)
-    alone = _prefill(_idle(d), beside_end, req.prompt_len).seconds if beside_end < req.prompt_len else 0.0
-    ttft = queue.seconds + beside_s + alone + 0.5 * current_step_s(d)
+    ttft = queue.seconds + beside_s + 0.5 * current_step_s(d)
     tpot = _own_tpot(req, d, 0, 0.0)
     after = decode_step_s(d, req.num_sequences * req.decode_cost, req.num_sequences * req.prompt_len)
     step_beside = beside_s / steps_beside if steps_beside else after
@@ -210,6 +211,3 @@ def _start(req: RequestShape, cached: int) -> int:
     return 0 if req.prompt_logprobs else min(cached, req.prompt_len - 1)
 
 
-def _idle(r: ReplicaLoad) -> ReplicaLoad:
-    """`r` with its queue and streams gone (a background prefill's last part)."""
-    return ReplicaLoad(r.replica_id, r.role, r.coefficients, r.chunk_tokens)

@@ -232,7 +232,8 @@ def test_placement_and_policy_import_no_web_or_ray_code():
 def test_a_prompt_waiting_past_its_predicted_ttft_prices_its_path_as_slow_before_it_finishes():
     """The first prompt runs locally, predicted ~70 ms. While it has not got its first
     token half a second later, the local path on d1 is priced as that late and the next
-    prompt goes remote; once it answers, local is priced by the model again."""
+    prompt goes remote; once it answers, local is priced by the model again (and once it
+    is done, with no stream to protect, the next prompt prefills locally)."""
     from router.placement import PolicyInputs
 
     predictive = WorkloadProfile(mode="auto")
@@ -251,4 +252,6 @@ def test_a_prompt_waiting_past_its_predicted_ttft_prices_its_path_as_slow_before
     assert placed(0.5, 2).decision.route == "disagg"
     assert view.overdue_of("d1", 100.0) == {"local": 8.0}  # one request counts as at most 8x
     view.prefill_done(first)
-    assert view.waiting == {} and placed(0.5, 2).decision.route == "local"
+    assert view.waiting == {} and view.overdue_of("d1", 0.5) == {}
+    view.end(first)
+    assert placed(0.5, 2).decision.route == "local"
