@@ -103,6 +103,8 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow `seq`'s block table to cover `num_tokens` tokens; False (and no change) if full."""
         num_new = self.blocks_needed(seq, num_tokens)
+        if num_new == 0:  # most decode steps: the last block still has room
+            return True
         if num_new > self.num_free_blocks:
             return False
         seq.block_ids.extend(self._pop_free() for _ in range(num_new))

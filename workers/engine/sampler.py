@@ -92,8 +92,10 @@ class Sampler:
 
     def choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
         """Greedy rows take the argmax, the others draw from their distribution."""
-        token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
+        if len(greedy) == len(rows):  # the common all-greedy batch: one argmax, no scatter
+            return logits.argmax(dim=-1).tolist()
+        token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         random = [i for i, row in enumerate(rows) if not row.params.greedy]
         if greedy:
             idx = torch.tensor(greedy, device=logits.device)
