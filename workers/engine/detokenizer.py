@@ -10,6 +10,7 @@ once it no longer ends in U+FFFD (an incomplete character decodes as U+FFFD).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ class IncrementalDetokenizer:
                  skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._decode_ids = backend_decode(tokenizer, skip_special_tokens)
         self.token_ids = list(prompt_token_ids or ())[-PROMPT_CONTEXT_TOKENS:]
         self.prefix_offset = 0
         self.read_offset = len(self.token_ids)
@@ -59,6 +61,23 @@ class IncrementalDetokenizer:
         return new_text
 
     def _decode(self, token_ids: list[int]) -> str:
-        if not token_ids:
-            return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+        return self._decode_ids(token_ids) if token_ids else ""
+
+
+def backend_decode(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """`tokenizer.decode`, straight to its Rust backend where transformers' wrapper adds
+    nothing to the text (a fast tokenizer that overrides no decoding and cleans up no
+    spaces): on a short window the wrapper's argument handling costs several times the
+    decode itself, paid per generated token of every sequence."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: its own decode, always right
+        TokenizersBackend = None  # noqa: N806
+    cls = type(tokenizer)
+    plain = (TokenizersBackend is not None and isinstance(tokenizer, TokenizersBackend)
+             and cls.decode is TokenizersBackend.decode and cls._decode is TokenizersBackend._decode
+             and not tokenizer.clean_up_tokenization_spaces)
+    if plain:
+        backend = tokenizer.backend_tokenizer
+        return lambda token_ids: backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+    return lambda token_ids: tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
