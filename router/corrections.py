@@ -96,7 +96,7 @@ class LearnedState:
         when the route was last measured a half-life ago (its spread fades with its
         corrections: a route abandoned while it misbehaved is judged by the model again)."""
         ratios = self.residuals.get((metric, route))
-        if ratios is None or len(ratios) < MIN_RESIDUALS or self.stale(route, now, self.half_life_s):
+        if ratios is None or len(ratios) < MIN_RESIDUALS or now - self.last_seen.get(route, -math.inf) > self.half_life_s:
             return None
         if predicted_s <= 0:
             return 1.0
