@@ -157,3 +157,14 @@ def test_padded_groups_stay_within_the_waste_bound(seed):
     assert sorted(map(id, itertools.chain(*groups))) == sorted(map(id, works))
     for group in groups:
         assert len(group) == 1 or _padded_area(group) <= (1 + MAX_PADDING_WASTE) * _real_area(group)
+
+
+def test_in_place_loop_runs_on_one_thread_and_restores_the_pool():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out, ref, _ = run_step(*CASES["long_decodes_in_place"])
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)

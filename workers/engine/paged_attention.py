@@ -7,6 +7,8 @@ step's packed `[num_tokens, num_heads, head_dim]`. Query head h reads KV head
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -32,12 +34,27 @@ def attend_in_place(query: torch.Tensor, cache: torch.Tensor, decode: InPlaceDec
     slots = cache.flatten(1, 2)  # [2, num_slots, kv_heads, dim], a view
     tail = cache[:, decode.gather_block_ids].flatten(1, 2) if decode.gather_block_ids.numel() else None
     outs = []
-    for i, seq in enumerate(decode.seqs):
-        pieces = [slots[:, start:start + length] for start, length in seq.runs]
-        if seq.gathered[1]:
-            pieces.append(tail[:, seq.gathered[0]:seq.gathered[0] + seq.gathered[1]])
-        outs.append(attend_pieces(q[i], pieces))
+    with _one_thread() if cache.device.type == "cpu" else contextlib.nullcontext():
+        for i, seq in enumerate(decode.seqs):
+            pieces = [slots[:, start:start + length] for start, length in seq.runs]
+            if seq.gathered[1]:
+                pieces.append(tail[:, seq.gathered[0]:seq.gathered[0] + seq.gathered[1]])
+            outs.append(attend_pieces(q[i], pieces))
     return torch.stack(outs).flatten(1, 2)
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """Run a loop of small ops on the calling thread alone: each op of torch's intra-op
+    pool ends at a barrier, and when another process holds the other core the barrier
+    waits out its time slice, per op. Measured at batch 32, context 512 on a loaded 2-core
+    machine: 1.3 s per step this way, 11.6 s with the pool."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def attend_pieces(q: torch.Tensor, pieces: list[torch.Tensor]) -> torch.Tensor:
