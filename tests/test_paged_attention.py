@@ -79,11 +79,12 @@ def dense_reference(cache: KVCache, meta: AttentionMetadata, query: torch.Tensor
     return out
 
 
-def run_step(query_lens, context_lens, seed=0):
+def run_step(query_lens, context_lens, seed=0, in_place=None):
     rng = random.Random(seed)
     cache = make_cache()
     tables = random_tables(rng, context_lens)
     meta = step_meta(cache, query_lens, context_lens, tables)
+    meta.backend = SdpaBackend(in_place)
     gen = torch.Generator().manual_seed(seed)
     n = sum(query_lens)
     query, key, value = (torch.randn(n, h, HEAD_DIM, generator=gen) for h in (NUM_HEADS, NUM_KV_HEADS, NUM_KV_HEADS))
@@ -103,9 +104,12 @@ CASES = {
 
 @pytest.mark.parametrize("name", CASES)
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_backend_equals_dense_attention(name, seed):
-    out, ref, _ = run_step(*CASES[name], seed=seed)
+@pytest.mark.parametrize("in_place", [None, False])  # None: in place on CPU; False: all padded (GPU default)
+def test_backend_equals_dense_attention(name, seed, in_place):
+    out, ref, meta = run_step(*CASES[name], seed=seed, in_place=in_place)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    long_decodes = any(q == 1 and c >= IN_PLACE_MIN_CONTEXT for q, c in zip(*CASES[name], strict=True))
+    assert (meta.backend_state.plan.in_place is not None) == (long_decodes and in_place is not False)
 
 
 def test_every_query_is_planned_once_and_chunks_share_calls():

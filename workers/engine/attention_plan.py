@@ -70,11 +70,14 @@ class AttentionPlan:
     in_place: InPlaceDecode | None
 
 
-def plan_step(works: list[SeqWork], block_size: int, device: torch.device) -> AttentionPlan:
-    in_place = [w for w in works if w.query_len == 1 and w.context_len >= IN_PLACE_MIN_CONTEXT]
-    padded = [w for w in works if not (w.query_len == 1 and w.context_len >= IN_PLACE_MIN_CONTEXT)]
+def plan_step(works: list[SeqWork], block_size: int, device: torch.device, in_place: bool = True) -> AttentionPlan:
+    """`in_place=False` pads every sequence into groups (where launching ~10 small ops per
+    sequence and layer costs more than the copy, as on a GPU)."""
+    reads_in_place = [in_place and w.query_len == 1 and w.context_len >= IN_PLACE_MIN_CONTEXT for w in works]
+    direct = [w for w, yes in zip(works, reads_in_place, strict=True) if yes]
+    padded = [w for w, yes in zip(works, reads_in_place, strict=True) if not yes]
     groups = [padded_group(g, block_size, device) for g in group_by_padding(padded)]
-    return AttentionPlan(groups, in_place_decode(in_place, block_size, device) if in_place else None)
+    return AttentionPlan(groups, in_place_decode(direct, block_size, device) if direct else None)
 
 
 # -- padded groups ----------------------------------------------------------------------------

@@ -28,10 +28,18 @@ class SdpaState:
 
 
 class SdpaBackend(AttentionBackend):
+    def __init__(self, in_place: bool | None = None) -> None:
+        """`in_place`: long decodes read their KV in place (None: where the cache is in host
+        memory; on a GPU the per-sequence loop's kernel launches cost more than the copy,
+        and captured decode steps attend padded anyway)."""
+        self.in_place = in_place
+
     def prepare(self, meta: AttentionMetadata) -> None:
         works = [SeqWork(meta.query_start_locs[i], meta.query_lens[i], meta.context_lens[i], meta.block_tables[i])
                  for i in range(meta.num_seqs)]
-        meta.backend_state = SdpaState(plan_step(works, meta.kv_cache.layout.block_size, meta.slot_mapping.device))
+        device = meta.slot_mapping.device
+        in_place = self.in_place if self.in_place is not None else device.type == "cpu"
+        meta.backend_state = SdpaState(plan_step(works, meta.kv_cache.layout.block_size, device, in_place))
 
     def static_decode_state(self, static: StaticDecode) -> SdpaState:
         rows = torch.arange(static.block_table.shape[0], device=static.block_table.device)
