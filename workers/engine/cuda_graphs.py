@@ -167,7 +167,8 @@ def eager_capture(step: StepFn) -> tuple[Callable[[], None], torch.Tensor]:
 
 def cuda_capture(pool: object | None = None) -> Capture:
     """Capture on a side stream after one warm-up run (which lazily initialises cuBLAS and
-    friends outside the graph); every graph shares `pool`'s memory."""
+    friends outside the graph); every graph shares `pool`'s memory. Thread-local capture:
+    a transport thread may write imported KV into the cache while a step is captured."""
     pool = pool if pool is not None else torch.cuda.graph_pool_handle()
 
     def capture(step: StepFn) -> tuple[Callable[[], None], torch.Tensor]:
@@ -177,7 +178,7 @@ def cuda_capture(pool: object | None = None) -> Capture:
             step()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             logits = step()
         return graph.replay, logits
 
