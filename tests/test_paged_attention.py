@@ -172,3 +172,19 @@ def test_in_place_loop_runs_on_one_thread_and_restores_the_pool():
     finally:
         torch.set_num_threads(threads)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_in_place_with_no_tail_no_runs_and_both_in_one_step():
+    cache, n = make_cache(), 200  # 50 blocks each
+    tables = [list(range(100, 150)),  # one run: no tail
+              list(range(300, 400, 2)),  # every block alone: all tail
+              list(range(500, 530)) + list(range(600, 640, 2))]  # a run, then a tail
+    meta = step_meta(cache, [1, 1, 1], [n, n - 3, n - 9], tables)
+    query = torch.randn(3, NUM_HEADS, HEAD_DIM)
+    key = torch.randn(3, NUM_KV_HEADS, HEAD_DIM)
+    meta.backend.prepare(meta)
+    out = meta.backend.forward(0, query, key, key, meta, SCALE)
+    decode = meta.backend_state.plan.in_place
+    assert [bool(s.runs) for s in decode.seqs] == [True, False, True]
+    assert [s.gathered[1] for s in decode.seqs] == [0, n - 3, 20 * BLOCK_SIZE - 9]
+    torch.testing.assert_close(out.double(), dense_reference(cache, meta, query), atol=1e-5, rtol=1e-5)

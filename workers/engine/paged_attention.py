@@ -47,8 +47,10 @@ def attend_in_place(query: torch.Tensor, cache: torch.Tensor, decode: InPlaceDec
 def _one_thread():
     """Run a loop of small ops on the calling thread alone: each op of torch's intra-op
     pool ends at a barrier, and when another process holds the other core the barrier
-    waits out its time slice, per op. Measured at batch 32, context 512 on a loaded 2-core
-    machine: 1.3 s per step this way, 11.6 s with the pool."""
+    waits out its time slice, per op. On a loaded 2-core machine (2 torch threads) a step at
+    batch 32, context 512 took 1.3 s this way and 11.6 s with the pool; on a quiet one the
+    pool is faster only at long contexts (batch 32, context 2,048: 89 ms vs 125 ms; the
+    padded gather took 270 ms). Replicas run one torch thread, where this changes nothing."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
