@@ -14,6 +14,7 @@ import torch
 from workers.engine.attention import AttentionMetadata
 from workers.engine.attention_plan import (
     IN_PLACE_MIN_CONTEXT,
+    IN_PLACE_MIN_CONTEXT_POOLED,
     MAX_PADDING_WASTE,
     MIN_RUN_BLOCKS,
     SeqWork,
@@ -21,6 +22,7 @@ from workers.engine.attention_plan import (
     _real_area,
     block_runs,
     group_by_padding,
+    in_place_min_context,
     plan_step,
 )
 from workers.engine.kv_cache import KVCache
@@ -108,7 +110,8 @@ CASES = {
 def test_backend_equals_dense_attention(name, seed, in_place):
     out, ref, meta = run_step(*CASES[name], seed=seed, in_place=in_place)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
-    long_decodes = any(q == 1 and c >= IN_PLACE_MIN_CONTEXT for q, c in zip(*CASES[name], strict=True))
+    min_context = in_place_min_context(torch.get_num_threads())
+    long_decodes = any(q == 1 and c >= min_context for q, c in zip(*CASES[name], strict=True))
     assert (meta.backend_state.plan.in_place is not None) == (long_decodes and in_place is not False)
 
 
@@ -167,8 +170,8 @@ def test_in_place_loop_runs_on_one_thread_and_restores_the_pool():
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        out, ref, _ = run_step(*CASES["long_decodes_in_place"])
-        assert torch.get_num_threads() == 2
+        out, ref, meta = run_step([1, 1, 1], [IN_PLACE_MIN_CONTEXT_POOLED, 900, 1000])
+        assert torch.get_num_threads() == 2 and len(meta.backend_state.plan.in_place.seqs) == 3
     finally:
         torch.set_num_threads(threads)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)

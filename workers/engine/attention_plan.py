@@ -21,7 +21,11 @@ from dataclasses import dataclass
 import torch
 
 MIN_RUN_BLOCKS = 4  # shorter runs are gathered: a matmul per 16 tokens costs more than the copy
-IN_PLACE_MIN_CONTEXT = 128  # shorter decodes are cheaper padded together in one call
+# Shorter decodes are cheaper padded together in one call. With several torch threads the
+# padded call uses them all while the in-place loop runs on one (paged_attention.py), which
+# moves the break-even from ~128 to ~768 tokens (2 threads, small preset, batch 8 and 32).
+IN_PLACE_MIN_CONTEXT = 128
+IN_PLACE_MIN_CONTEXT_POOLED = 768
 MAX_PADDING_WASTE = 0.5  # a group's padded area may exceed its real area by this fraction
 
 
@@ -70,10 +74,16 @@ class AttentionPlan:
     in_place: InPlaceDecode | None
 
 
-def plan_step(works: list[SeqWork], block_size: int, device: torch.device, in_place: bool = True) -> AttentionPlan:
-    """`in_place=False` pads every sequence into groups (where launching ~10 small ops per
-    sequence and layer costs more than the copy, as on a GPU)."""
-    reads_in_place = [in_place and w.query_len == 1 and w.context_len >= IN_PLACE_MIN_CONTEXT for w in works]
+def in_place_min_context(num_threads: int) -> int:
+    return IN_PLACE_MIN_CONTEXT if num_threads == 1 else IN_PLACE_MIN_CONTEXT_POOLED
+
+
+def plan_step(works: list[SeqWork], block_size: int, device: torch.device,
+              min_context: int | None = IN_PLACE_MIN_CONTEXT) -> AttentionPlan:
+    """Decodes with at least `min_context` tokens read in place; None pads every sequence
+    into groups (where ~10 small ops per sequence and layer cost more than the copy, as
+    kernel launches on a GPU do)."""
+    reads_in_place = [min_context is not None and w.query_len == 1 and w.context_len >= min_context for w in works]
     direct = [w for w, yes in zip(works, reads_in_place, strict=True) if yes]
     padded = [w for w, yes in zip(works, reads_in_place, strict=True) if not yes]
     groups = [padded_group(g, block_size, device) for g in group_by_padding(padded)]

@@ -15,7 +15,13 @@ from dataclasses import dataclass
 import torch
 
 from workers.engine.attention import AttentionBackend, AttentionMetadata, StaticDecode, write_kv
-from workers.engine.attention_plan import AttentionPlan, PaddedGroup, SeqWork, plan_step
+from workers.engine.attention_plan import (
+    AttentionPlan,
+    PaddedGroup,
+    SeqWork,
+    in_place_min_context,
+    plan_step,
+)
 from workers.engine.paged_attention import attend_in_place, attend_padded
 
 
@@ -39,7 +45,8 @@ class SdpaBackend(AttentionBackend):
                  for i in range(meta.num_seqs)]
         device = meta.slot_mapping.device
         in_place = self.in_place if self.in_place is not None else device.type == "cpu"
-        meta.backend_state = SdpaState(plan_step(works, meta.kv_cache.layout.block_size, device, in_place))
+        min_context = in_place_min_context(torch.get_num_threads()) if in_place else None
+        meta.backend_state = SdpaState(plan_step(works, meta.kv_cache.layout.block_size, device, min_context))
 
     def static_decode_state(self, static: StaticDecode) -> SdpaState:
         rows = torch.arange(static.block_table.shape[0], device=static.block_table.device)
