@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cluster.bench.engine_limits import bare_matmul, decode_floor_s, read_bandwidth, weight_bytes
-from cluster.bench.engine_shapes import shape_engine, time_decode, time_prefill
+from cluster.bench.engine_shapes import shape_engine, time_decode, time_prefill, warm_up
 
 NUM_DECODE_STEPS = 4  # timed, after one untimed, per shape
 NUM_PREFILL_STEPS = 2
@@ -28,6 +28,7 @@ def measure_efficiency(model_dir: Path, chunk_tokens: int, decode_batches: tuple
     bare = bare_matmul(model, chunk_tokens)
     bandwidth = read_bandwidth()
     log("limits: the engine's prefill and decode steps at fixed shapes ...")
+    warm_up(engine)
     prefill = time_prefill(engine, chunk_tokens, NUM_PREFILL_STEPS)
     prefill_tps = chunk_tokens / prefill.step_s
     weight_nbytes = weight_bytes(model)

@@ -14,7 +14,13 @@ import statistics
 from collections.abc import Callable
 from pathlib import Path
 
-from cluster.bench.engine_shapes import ShapeTiming, shape_engine, time_decode, time_prefill
+from cluster.bench.engine_shapes import (
+    ShapeTiming,
+    shape_engine,
+    time_decode,
+    time_prefill,
+    warm_up,
+)
 
 PHASES = ("schedule", "metadata", "forward", "sample", "output", "other")
 NUM_STEPS = 8  # timed per shape, after one untimed
@@ -26,6 +32,7 @@ def run_profile(model_dir: Path, chunk_tokens: int, decode_batches: tuple[int, .
     each phase's mean seconds and share of it."""
     engine = shape_engine(str(model_dir), max(decode_batches) * context, chunk_tokens, detokenize=True)
     shapes = {}
+    warm_up(engine)
     for batch in decode_batches:
         log(f"profile: decode, batch {batch}, context {context} ...")
         shapes[f"decode_b{batch}_ctx{context}"] = phase_split(time_decode(engine, batch, context, NUM_STEPS))

@@ -45,6 +45,12 @@ def shape_engine(model_dir: str, max_tokens: int, chunk_tokens: int, block_size:
                      max_num_seqs=256, max_num_batched_tokens=chunk_tokens, detokenize=detokenize)
 
 
+def warm_up(engine: LLMEngine) -> None:
+    """A few untimed decode steps: a fresh engine's first steps pay one-time costs (the
+    allocator, the thread pool, the step-cost fit's early refits)."""
+    time_decode(engine, batch=2, context=64, num_steps=3)
+
+
 def time_decode(engine: LLMEngine, batch: int, context: int, num_steps: int) -> ShapeTiming:
     """Median pure-decode step of `batch` sequences attending about `context` tokens each."""
     rng = _fresh_prompts()
