@@ -12,6 +12,7 @@ import pytest
 from cluster.bench.cluster_report import build_report, pool_errors, weighted_median
 from cluster.bench.cluster_runs import CONFIGS, RunResult
 from cluster.bench.cluster_scenarios import (
+    FAULT_TAIL_X,
     WINDOW_S,
     disagg_hurts,
     fault_at_s,
@@ -154,8 +155,10 @@ def test_disagg_hurts_is_long_enough_with_fifteen_long_prompts_each_side_of_the_
     assert sum(t < at for t in longs) >= 15 and sum(t > at for t in longs) >= 15
     assert max(longs) - min(longs) + (longs[1] - longs[0]) >= 90.0
     assert {r["workload"] for r in rows} == {"bench_short", "bench_long"}
-    # the fault adds half an unloaded long-prompt TTFT to every transfer, over its layers
-    assert fault_delay_s(B, 8) * 8 == pytest.approx(0.5)
+    # the fault adds FAULT_TAIL_X unloaded long-prompt TTFTs to every transfer, over its
+    # layers: enough that a remote long prompt misses a 5x TTFT objective
+    assert fault_delay_s(B, 8) * 8 == pytest.approx(FAULT_TAIL_X * B.ttft_long_ms / 1000.0, abs=1e-3)
+    assert 4.0 <= FAULT_TAIL_X < 5.0
     # a slow machine spaces the long prompts further instead of overloading
     slow = disagg_hurts(Baseline(100.0, 4000.0, 20.0))
     assert slow.classes[1].interval_s == 6.0
