@@ -80,9 +80,9 @@ def corrected(candidate: Candidate, state: LearnedState, now: float) -> Predicti
     """The raw prediction rescaled by what this router measured of the route on these
     replicas, and by how late the route's oldest prompt there still waiting already is."""
     route = candidate.route
-    ttft = state.factor("ttft", route, candidate.prefill_replica, now) * candidate.overdue_x
+    ttft = state.factor("ttft", route, candidate.prefill_replica, now)
     tpot = state.factor("tpot", route, candidate.decode_replica, now)
-    return candidate.prediction.scaled(ttft, tpot)
+    return candidate.prediction.scaled(ttft, tpot, candidate.overdue_x)
 
 
 def score(ctx: RouteContext, candidate: Candidate, prediction: Prediction, state: LearnedState = EMPTY,

@@ -8,6 +8,13 @@ more tokens). A correction factor (measured / predicted, smoothed on the log sca
 then rescales later predictions for that replica and route, so a slow prefill pool, a
 slow network or a cold transfer path shows up in the predictions within a few requests.
 
+A TTFT factor rescales only what the step models priced, not the KV transfer tail: the
+link has its own fit, which follows a changed link within a few transfers. A factor
+learned against the whole TTFT would keep rescaling after that fit caught up (a link
+that recovered leaves a factor far below 1 that then makes the next long prompt look
+cheap); so the tail is taken off both sides, and while the link's fit still lags, the
+time it missed by shows up in the factor until it catches up.
+
 A factor whose last measurement is old decays toward 1 (half-life `half_life_s`): what
 was true of a route a minute ago is weaker evidence than the model itself, so a route
 abandoned because it was slow is tried again once the evidence has faded (and, while
@@ -34,6 +41,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
+
+from router.predict import scale_ttft
 
 Metric = Literal["ttft", "tpot"]
 Key = tuple[str, str, str]  # (metric, route, replica): TTFT by the replica that prefills, TPOT by where it decodes
@@ -70,6 +79,7 @@ class Outcome:
     measured_ttft_s: float
     predicted_tpot_s: float | None = None  # None: fewer than two tokens
     measured_tpot_s: float | None = None
+    predicted_transfer_s: float = 0.0  # the transfer tail inside `predicted_ttft_s`
 
 
 @dataclass(frozen=True)
@@ -122,12 +132,13 @@ class Corrections:
 
     def observe(self, outcome: Outcome, now: float) -> None:
         state = self.snapshot()  # the residual is against the prediction as corrected before this outcome
+        tail = min(max(outcome.predicted_transfer_s, 0.0), outcome.predicted_ttft_s)
         self._residual("ttft", outcome.route, outcome.prefill_replica, outcome.predicted_ttft_s,
-                       outcome.measured_ttft_s, state, now)
+                       outcome.measured_ttft_s, state, now, tail)
         self._residual("tpot", outcome.route, outcome.decode_replica, outcome.predicted_tpot_s,
                        outcome.measured_tpot_s, state, now)
-        self._update(("ttft", outcome.route, outcome.prefill_replica), outcome.predicted_ttft_s,
-                     outcome.measured_ttft_s, now)
+        self._update(("ttft", outcome.route, outcome.prefill_replica), outcome.predicted_ttft_s - tail,
+                     outcome.measured_ttft_s - tail, now)
         if outcome.predicted_tpot_s is not None and outcome.measured_tpot_s is not None:
             self._update(("tpot", outcome.route, outcome.decode_replica), outcome.predicted_tpot_s,
                          outcome.measured_tpot_s, now)
@@ -135,10 +146,10 @@ class Corrections:
         self._snapshot = None
 
     def _residual(self, metric: Metric, route: str, replica: str, predicted: float | None,
-                  measured: float | None, state: LearnedState, now: float) -> None:
+                  measured: float | None, state: LearnedState, now: float, tail: float = 0.0) -> None:
         if predicted is None or measured is None or not _usable(predicted, measured):
             return
-        shown = predicted * state.factor(metric, route, replica, now)
+        shown = scale_ttft(predicted, tail, state.factor(metric, route, replica, now))
         self._residuals.setdefault((metric, route), deque(maxlen=RESIDUALS)).append(measured / shown)
 
     def _update(self, key: Key, predicted: float, measured: float, now: float) -> None:

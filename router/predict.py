@@ -56,9 +56,18 @@ class Prediction:
     ttft_s: float
     tpot_s: float  # this request's mean gap after its first token
     streams_tpot_s: float = 0.0  # the streams already decoding beside it (0: none)
+    transfer_s: float = 0.0  # the part of `ttft_s` that is the KV's exposed transfer tail
 
-    def scaled(self, ttft: float, tpot: float) -> Prediction:
-        return Prediction(self.ttft_s * ttft, self.tpot_s * tpot, self.streams_tpot_s * tpot)
+    def scaled(self, ttft: float, tpot: float, overdue: float = 1.0) -> Prediction:
+        """`ttft` rescales what the step models priced (the link's cost has its own fit,
+        which follows a changed link by itself); `overdue` the whole TTFT."""
+        ttft_s = scale_ttft(self.ttft_s, self.transfer_s, ttft) * overdue
+        return Prediction(ttft_s, self.tpot_s * tpot, self.streams_tpot_s * tpot, self.transfer_s * overdue)
+
+
+def scale_ttft(ttft_s: float, transfer_s: float, factor: float) -> float:
+    """TTFT with its step-model part rescaled by `factor`, its transfer tail as fitted."""
+    return (ttft_s - transfer_s) * factor + transfer_s
 
 
 @dataclass(frozen=True)
@@ -144,7 +153,8 @@ def remote(req: RequestShape, p: ReplicaLoad, d: ReplicaLoad, prefill_cached: in
     d_steps_left = d_queue.steps - ttft / d_queue.step_s if d_queue.steps else 0.0
     tpot = _own_tpot(req, d, d_steps_left, d_queue.step_s)
     streams = _streams_tpot(d, d_queue.steps, d_queue.step_s, after)
-    return Candidate("remote", d.replica_id, p.replica_id, Prediction(ttft, tpot, streams), num_streams=d.num_streams,
+    return Candidate("remote", d.replica_id, p.replica_id, Prediction(ttft, tpot, streams, tail),
+                     num_streams=d.num_streams,
                      overdue_x=p.overdue.get("disagg", 1.0))
 
 

@@ -192,6 +192,26 @@ def test_a_correction_rescales_the_headers_prediction():
     assert fixed.prediction.tpot_s == pytest.approx(raw.prediction.tpot_s * state.factor("tpot", "local", "d1", 0.0))
 
 
+def test_the_transfer_tail_is_left_to_the_links_own_fit():
+    """A TTFT factor rescales the step-model part only: a link predicted slow that turned
+    out fast teaches it nothing, and once a slowed link's fit has caught up the factor
+    learned while it lagged does not count the link twice."""
+    c = Corrections()
+    for _ in range(3):  # predicted 17 s of tail from an old fault, measured 0.7 s
+        c.observe(Outcome("disagg", "p1", "d1", 18.0, 0.7, predicted_transfer_s=17.0), now=0.0)
+    assert c.snapshot().factor("ttft", "disagg", "p1", 0.0) == 1.0
+    lagging = Corrections()  # the link slowed; its fit still says 20 ms
+    lagging.observe(Outcome("disagg", "p1", "d1", 1.3, 7.5, predicted_transfer_s=0.02), now=0.0)
+    factor = lagging.snapshot().factor("ttft", "disagg", "p1", 0.0)
+    assert factor > 2.0
+    remote = ctx(decode=replica("d1", **BUSY_STREAMS), slo=SLO(ttft_ms=60_000, tpot_ms=12))
+    raw = decide(remote, EMPTY, now=0.0)
+    fixed = decide(remote, lagging.snapshot(), now=0.0)
+    tail = raw.candidate.prediction.transfer_s
+    assert raw.route == fixed.route == "disagg" and tail > 0
+    assert fixed.prediction.ttft_s == pytest.approx((raw.prediction.ttft_s - tail) * factor + tail)
+
+
 def test_smoothing_bounds_and_reset():
     c = Corrections()
     c.observe(Outcome("local", "d1", "d1", 0.1, 1e6), now=0.0)  # one absurd sample is clamped
