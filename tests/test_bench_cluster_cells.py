@@ -229,3 +229,11 @@ def test_trace_rows_name_their_class_workload_and_the_load_tester_sends_it(tmp_p
     # a row without `workload` keeps the old name
     (tmp_path / "plain.jsonl").write_text('{"timestamp": 0, "prompt_len": 5}\n')
     assert build_plan(LoadTestConfig(url="http://x", trace=tmp_path / "plain.jsonl")).specs[0].workload == "trace"
+
+
+def test_scenarios_run_auto_before_the_fixed_pd_configurations():
+    from cluster.bench.cluster_runs import SCENARIO_CONFIGS, SCENARIO_ORDER
+
+    assert sorted(SCENARIO_ORDER) == sorted(c.name for c in SCENARIO_CONFIGS)
+    pd = [name for name in SCENARIO_ORDER if next(c for c in SCENARIO_CONFIGS if c.name == name).app == "pd"]
+    assert pd[0] == "auto"
