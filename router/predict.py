@@ -23,7 +23,9 @@ From that and the replica's queue (`ReplicaLoad`) follow, per candidate:
 - `whole`: the request runs, prefill and decode, on an idle prefill replica.
 
 A stream's TPOT is its mean gap over the tokens it has left, so the prediction for the
-streams beside a prefill averages the slower mixed steps into the rest of their life.
+streams beside a prefill averages the slower mixed steps into the rest of their life; a
+decode step there is the expected gap (`expected_gap_s`): the step of the moment blended
+with the gap the replica's streams saw lately.
 Everything here is pure arithmetic over plain data: no clock, no I/O.
 """
 
@@ -38,6 +40,7 @@ from workers.engine.cost_model import StepCoefficients, prefill_work
 
 Kind = Literal["remote", "local", "background", "whole"]
 STREAM_TPOT_MARGIN = 0.9  # a background chunk aims this far inside the streams' objective
+NOW_WEIGHT = 0.3  # of a replica's state now in a stream's expected gap; the rest is its recent past
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,20 @@ def decode_step_s(r: ReplicaLoad, extra_seqs: float = 0.0, extra_context: float 
     return step_s(r.coefficients, 0, 0, r.num_streams + extra_seqs, r.stream_context + extra_context)
 
 
+def expected_gap_s(r: ReplicaLoad, extra_seqs: float = 0.0, extra_context: float = 0.0) -> float:
+    """The gap a stream on `r` should expect over the rest of its life: the decode step
+    its streams (plus `extra_*`) take now, blended with the gap its streams saw lately,
+    which counts the streams and prompts that kept arriving beside them (a request's TPOT
+    averages over tens of steps; the state at one moment predicts it worse than the
+    replica's recent past does), plus what the extra streams add."""
+    now = decode_step_s(r, extra_seqs, extra_context)
+    if r.recent_gap_s is None:
+        return now
+    c = r.coefficients
+    recent = r.recent_gap_s + c.decode_seq_s * extra_seqs + c.decode_context_s * extra_context
+    return NOW_WEIGHT * now + (1.0 - NOW_WEIGHT) * recent
+
+
 def current_step_s(r: ReplicaLoad) -> float:
     """The step the replica runs now: its queue's mixed steps, else its streams' decode
     steps, else nothing (an idle engine starts a step as soon as work arrives)."""
@@ -134,7 +151,7 @@ def _streams_tpot(r: ReplicaLoad, busy_steps: float, busy_step_s: float, after_s
 
 def _own_tpot(req: RequestShape, d: ReplicaLoad, queue_steps_left: float, busy_step_s: float) -> float:
     """This request's mean gap on `d`, its queue still prefilling for `queue_steps_left` steps."""
-    after = decode_step_s(d, req.num_sequences * req.decode_cost, req.num_sequences * req.prompt_len)
+    after = expected_gap_s(d, req.num_sequences * req.decode_cost, req.num_sequences * req.prompt_len)
     gaps = max(req.max_tokens - 1, 1)
     slow = min(max(queue_steps_left, 0.0), gaps)
     return (slow * max(busy_step_s, after) + (gaps - slow) * after) / gaps
@@ -152,7 +169,7 @@ def remote(req: RequestShape, p: ReplicaLoad, d: ReplicaLoad, prefill_cached: in
     d_queue = _prefill(d, 0, 0)
     d_steps_left = d_queue.steps - ttft / d_queue.step_s if d_queue.steps else 0.0
     tpot = _own_tpot(req, d, d_steps_left, d_queue.step_s)
-    streams = _streams_tpot(d, d_queue.steps, d_queue.step_s, after)
+    streams = _streams_tpot(d, d_queue.steps, d_queue.step_s, _gap_with(req, d))
     return Candidate("remote", d.replica_id, p.replica_id, Prediction(ttft, tpot, streams, tail),
                      num_streams=d.num_streams,
                      overdue_x=p.overdue.get("disagg", 1.0))
@@ -163,8 +180,7 @@ def local(req: RequestShape, d: ReplicaLoad, cached: int) -> Candidate:
     then decode there."""
     prefill = _prefill(d, _start(req, cached), req.prompt_len)
     tpot = _own_tpot(req, d, 0, 0.0)
-    after = decode_step_s(d, req.num_sequences * req.decode_cost, req.num_sequences * req.prompt_len)
-    streams = _streams_tpot(d, prefill.steps, prefill.step_s, after)
+    streams = _streams_tpot(d, prefill.steps, prefill.step_s, _gap_with(req, d))
     ttft = prefill.seconds + 0.5 * current_step_s(d)
     return Candidate("local", d.replica_id, d.replica_id, Prediction(ttft, tpot, streams),
                      num_streams=d.num_streams, overdue_x=d.overdue.get("local", 1.0))
@@ -199,7 +215,7 @@ def background(req: RequestShape, d: ReplicaLoad, cached: int, stream_tpot_slo_s
     beside_s = (steps_beside * decode_step_s(d) + c.prefill_token_s * tokens + c.prefill_attention_s * work)
     ttft = queue.seconds + beside_s + 0.5 * current_step_s(d)
     tpot = _own_tpot(req, d, 0, 0.0)
-    after = decode_step_s(d, req.num_sequences * req.decode_cost, req.num_sequences * req.prompt_len)
+    after = _gap_with(req, d)
     step_beside = beside_s / steps_beside if steps_beside else after
     busy_s = queue.steps * queue.step_s + steps_beside * step_beside
     busy_steps = queue.steps + steps_beside
@@ -215,6 +231,11 @@ def whole(req: RequestShape, p: ReplicaLoad, cached: int) -> Candidate:
     ttft = prefill.seconds + 0.5 * current_step_s(p)
     return Candidate("whole", p.replica_id, p.replica_id, Prediction(ttft, tpot, 0.0),
                      overdue_x=p.overdue.get("local", 1.0))
+
+
+def _gap_with(req: RequestShape, d: ReplicaLoad) -> float:
+    """The streams' expected gap on `d` once this request decodes beside them."""
+    return expected_gap_s(d, req.num_sequences * req.decode_cost, req.num_sequences * req.prompt_len)
 
 
 def _start(req: RequestShape, cached: int) -> int:

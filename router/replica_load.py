@@ -34,6 +34,10 @@ class ReplicaLoad:
     address: str | None = None  # the advertised KV transport address (a transfer's peer)
     # prefill replicas: the exposed transfer tail per decode peer address, "*" for any
     transfers: dict[str, TransferCoefficients] = field(default_factory=dict)
+    # the mean gap between tokens its streams saw lately and their mean batch then
+    # (`workers/engine/recent_load.py`); None: too few decoding steps lately
+    recent_gap_s: float | None = None
+    recent_decode_seqs: float = 0.0
     # route -> how far past its predicted TTFT the oldest request still waiting for its first
     # token from this replica's prefill is (>= 1; absent: none is late)
     overdue: dict[str, float] = field(default_factory=dict)
@@ -58,4 +62,10 @@ def from_stats(replica_id: str, role: str, stats: dict, address: str | None = No
         num_streams=streams, stream_context=int(stats.get("decode_context_tokens", 0)),
         stream_tokens_left=left,
         num_requests=int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0)),
-        kv_bytes_per_token=int(stats.get("kv_bytes_per_token", 0)), address=address, transfers=transfers)
+        kv_bytes_per_token=int(stats.get("kv_bytes_per_token", 0)), address=address, transfers=transfers,
+        recent_gap_s=_positive(stats.get("recent_stream_gap_s")),
+        recent_decode_seqs=float(stats.get("recent_decode_seqs", 0.0) or 0.0))
+
+
+def _positive(value) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None

@@ -25,6 +25,7 @@ from workers.engine.best_of import BestOf, add_scores
 from workers.engine.best_of import holds as holds_best_of
 from workers.engine.block_manager import BlockManager
 from workers.engine.cost_model import StepCoefficients, StepCostFit
+from workers.engine.recent_load import recent_load
 from workers.engine.grammar import GrammarCompiler
 from workers.engine.kv_cache import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_MEMORY_FRACTION
 from workers.engine.kv_types import (
@@ -450,7 +451,8 @@ class LLMEngine:
         plain ints, floats and dicts (they travel in heartbeats); prefix_cache_queries and
         prefix_cache_hits are both in TOKENS."""
         with self._lock:
-            return self._counters() | self.scheduler.queue_stats() | {
+            recent = recent_load(self.step_records, time.time())
+            return self._counters() | self.scheduler.queue_stats() | (recent.to_stats() if recent else {}) | {
                 "step_model": self.cost_fit.coefficients.to_dict(),
                 "kv_bytes_per_token": self.kv_bytes_per_token,
                 "max_num_batched_tokens": self.scheduler.max_num_batched_tokens,
