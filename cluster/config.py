@@ -70,6 +70,9 @@ class EngineSettings(_Strict):
     max_num_seqs: int = Field(default=64, ge=1)
     max_num_batched_tokens: int = Field(default=1024, ge=1)
     enable_prefix_caching: bool = True
+    # Replay decode steps from captured CUDA graphs, for batches up to max_num_seqs
+    # (None: on when the device is CUDA; true on a CPU is refused at start-up).
+    cuda_graphs: bool | None = None
     # Run a few synthetic requests at start-up (about a second on a CPU) so the step-cost
     # model the router predicts with is fitted before the first real request.
     warmup: bool = True

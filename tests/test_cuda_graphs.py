@@ -126,11 +126,26 @@ def test_graphs_need_cuda_unless_capture_is_injected(tiny_model_dir):
     assert ModelRunner(str(tiny_model_dir), torch.device("cpu"), torch.float32, BLOCK_SIZE, 8, 0.9, 0).graphs is None
 
 
+def test_the_engine_setting_reaches_the_runner_and_is_refused_without_cuda(tiny_model_dir):
+    from cluster.config import EngineSettings
+
+    settings = EngineSettings(cuda_graphs=False, num_kv_blocks=32).model_dump()
+    settings.pop("warmup")
+    engine = llm_engine.LLMEngine(str(tiny_model_dir), **settings, device="cpu")
+    assert engine.runner.graphs is None
+    with pytest.raises(ValueError, match="engine.cuda_graphs"):
+        llm_engine.LLMEngine(str(tiny_model_dir), **{**settings, "cuda_graphs": True}, device="cpu")
+    assert EngineSettings().cuda_graphs is None  # on where the device is CUDA
+
+
 def test_greedy_output_with_graphs_matches_transformers(make_engine, monkeypatch, tiny_model_dir):  # noqa: F811
     from transformers import AutoModelForCausalLM
 
-    monkeypatch.setattr(llm_engine, "ModelRunner", functools.partial(
-        ModelRunner, cuda_graphs=True, max_num_seqs=MAX_GRAPH_BATCH, graph_capture=eager_capture))
+    def graphed_runner(*args, **kwargs):  # the engine passes its own cuda_graphs / max_num_seqs
+        return ModelRunner(*args, **{**kwargs, "cuda_graphs": True, "max_num_seqs": MAX_GRAPH_BATCH,
+                                     "graph_capture": eager_capture})
+
+    monkeypatch.setattr(llm_engine, "ModelRunner", graphed_runner)
     prompts = random_prompts(PROMPT_LENS)
     engine = make_engine(max_num_seqs=MAX_GRAPH_BATCH)
     outs = engine.generate(prompts, [greedy(n) for n in MAX_TOKENS])

@@ -25,7 +25,6 @@ from workers.engine.best_of import BestOf, add_scores
 from workers.engine.best_of import holds as holds_best_of
 from workers.engine.block_manager import BlockManager
 from workers.engine.cost_model import StepCoefficients, StepCostFit
-from workers.engine.recent_load import recent_load
 from workers.engine.grammar import GrammarCompiler
 from workers.engine.kv_cache import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_MEMORY_FRACTION
 from workers.engine.kv_types import (
@@ -44,6 +43,7 @@ from workers.engine.prompt_logprobs import (
     new_prompt_logprobs,
     prompt_positions,
 )
+from workers.engine.recent_load import recent_load
 from workers.engine.sampler import Sampler, SamplerOutput, SamplingRow, request_seed
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import DEFAULT_YIELD_TOKENS, ScheduledSeq, Scheduler
@@ -58,11 +58,15 @@ class LLMEngine:
                  enable_prefix_caching: bool = True, device: str | None = None, dtype: str = "float32",
                  *, gpu_memory_fraction: float = DEFAULT_GPU_MEMORY_FRACTION,
                  cpu_kv_bytes: int = DEFAULT_CPU_KV_BYTES, detokenize: bool = True,
-                 max_step_records: int = 4096) -> None:
+                 max_step_records: int = 4096, cuda_graphs: bool | None = None) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs needs a CUDA device and this engine runs on {self.device}: "
+                             "set engine.cuda_graphs to null (on where there is a GPU) or false")
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.runner = ModelRunner(str(model_dir), self.device, resolve_dtype(dtype), block_size, num_kv_blocks,
-                                  gpu_memory_fraction, cpu_kv_bytes)
+                                  gpu_memory_fraction, cpu_kv_bytes, cuda_graphs=cuda_graphs,
+                                  max_num_seqs=max_num_seqs)
         self.block_manager = BlockManager(self.runner.kv_cache.num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
         self.sampler = Sampler()
