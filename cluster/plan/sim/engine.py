@@ -1,0 +1,374 @@
+"""A simulated engine replica: the real scheduler's rules over aggregate counters.
+
+It follows `workers/engine/scheduler.py` step by step: one token budget per step
+(`max_num_batched_tokens`), decode tokens first, then the running prompts' chunks in
+FCFS order, then waiting prompts admitted while there are seats (`max_num_seqs`) and
+budget, then background prefills (`yield_to_decode`) with what is left, at their chunk
+size in a step that decodes; KV in blocks of `block_size`, allocated as tokens are
+computed; when a step's blocks run out, the running sequence that sorts last (background
+first, then the latest arrival) is preempted and recomputed later, and nothing new is
+admitted that step. Each step is priced by the calibrated step model (the same features
+`LLMEngine._record_step` records).
+
+What makes it fast: a decoding sequence is not touched per step. The batch is a count,
+a sum of (context at join - join step) from which the context of every step follows, a
+count per block phase (a sequence needs a new block in the steps where its context is a
+multiple of `block_size`), and a heap of finish steps. Per step the work is O(1) plus
+the prompt chunks in it; an idle engine schedules no event.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from array import array
+from collections.abc import Callable
+from typing import Protocol
+
+from cluster.plan.calibration import EngineLimits
+from cluster.plan.sim.prefix_cache import SimPrefixCache
+from cluster.plan.sim.sequence import SimSeq
+from workers.engine.cost_model import StepCoefficients, prefill_work
+from workers.engine.scheduler import DEFAULT_YIELD_TOKENS
+from workers.engine.step_cost import YIELD_STEP_FRACTION
+
+_tiebreak = itertools.count()
+
+
+class Listener(Protocol):
+    def on_first_token(self, seq: SimSeq, now: float) -> None: ...
+    def on_prefilled(self, seq: SimSeq, now: float) -> None: ...  # a remote prefill's KV is ready to send
+    def on_finished(self, seq: SimSeq, now: float) -> None: ...
+
+
+Schedule = Callable[..., None]  # EventQueue.schedule(at, callback, late=False)
+
+
+def _blocks(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class SimEngine:
+    def __init__(self, replica_id: str, role: str, limits: EngineLimits, coefficients: StepCoefficients,
+                 schedule: Schedule, listener: Listener) -> None:
+        self.replica_id, self.role, self.limits = replica_id, role, limits
+        self.block_size, self.max_num_seqs = limits.block_size, limits.max_num_seqs
+        self.budget = limits.max_num_batched_tokens
+        self.coefficients = coefficients
+        self._step_model = coefficients.to_dict()  # one dict for every heartbeat (never changed)
+        self._c = (coefficients.fixed_s, coefficients.prefill_token_s, coefficients.prefill_attention_s,
+                   coefficients.decode_seq_s, coefficients.decode_context_s)
+        self._schedule, self.listener = schedule, listener
+        self.cache = SimPrefixCache(limits.num_kv_blocks, limits.enable_prefix_caching)
+        self.free_blocks = limits.num_kv_blocks
+        self.step = 0  # the index of the next step
+        self.step_ends = array("d")  # when each step ended: tokens are emitted there
+        self.busy = False
+        self.busy_s = 0.0
+        self.num_preemptions = 0
+        self._arrivals = itertools.count()
+        self.waiting: list[SimSeq] = []  # by priority key: foreground FCFS, then background
+        self.ready: list[SimSeq] = []  # imported KV waiting for blocks or a seat, FCFS
+        self.prefilling: list[SimSeq] = []  # running foreground prompts, FCFS
+        self.backgrounds: list[SimSeq] = []  # running background prompts, FCFS
+        self.decoding: dict[int, SimSeq] = {}
+        self._finishes: list[tuple[int, int, SimSeq]] = []  # (finish step, tiebreak, seq), lazily deleted
+        self._phase = [0] * self.block_size  # decoding sequences per (join ctx - join step) mod block size
+        self._ctx_base = 0  # sum over decoding of join ctx - join step
+        self._finish_sum = 0
+        self._wait_tokens = 0  # prompt tokens (and their attention work) of the waiting prompts
+        self._wait_work = 0
+        self._chunks: list[tuple[SimSeq, int]] = []  # the step in flight's prompt chunks
+        self._joined: list[SimSeq] = []  # imported sequences whose first token this step emits
+        self._allocated = False  # this step's decode blocks are taken
+
+    # -- work arriving -------------------------------------------------------------------------
+
+    def add(self, seq: SimSeq, now: float) -> None:
+        """A prompt to compute here (then decoded here unless `kv_only`)."""
+        assert _blocks(seq.prompt_len + seq.output_len, self.block_size) <= self.limits.num_kv_blocks, (
+            f"a request of {seq.prompt_len}+{seq.output_len} tokens cannot fit {self.limits.num_kv_blocks} blocks")
+        seq.arrival = next(self._arrivals)
+        self._enqueue(seq)
+        self._wake(now)
+
+    def import_kv(self, seq: SimSeq, now: float) -> None:
+        """A sequence whose prompt KV arrived from a prefill replica: it decodes here."""
+        seq.arrival = next(self._arrivals)
+        seq.num_computed = seq.prompt_len
+        self.ready.append(seq)
+        self._wake(now)
+
+    def _wake(self, now: float) -> None:
+        """An idle engine starts a step now, after whatever else arrives at this instant."""
+        if not self.busy:
+            self.busy = True
+            self._schedule(now, self._start_step, True)
+
+    def _enqueue(self, seq: SimSeq) -> None:
+        seq.num_computed = seq.shared_blocks = seq.owned_blocks = 0
+        key = seq.priority_key
+        i = len(self.waiting)
+        while i > 0 and self.waiting[i - 1].priority_key > key:  # nearly always appends
+            i -= 1
+        self.waiting.insert(i, seq)
+        self._wait_tokens += seq.prompt_len
+        self._wait_work += prefill_work(0, seq.prompt_len, self.budget)[2]
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def _seats(self) -> int:
+        return self.max_num_seqs - len(self.decoding) - len(self.prefilling) - len(self.backgrounds)
+
+    def _start_step(self, now: float) -> None:
+        k, chunks = self.step, []
+        self._chunks, self._allocated = chunks, False
+        self._admit_ready(k)
+        preempted = self._allocate_decodes(k)
+        preempted = self._run_prefills(k, chunks) or preempted
+        if not preempted:
+            decoding = bool(self.decoding)
+            self._admit_waiting(chunks, background=False, decoding=decoding)
+            self._run_backgrounds(chunks, decoding)
+            self._admit_waiting(chunks, background=True, decoding=decoding)
+        n_dec = len(self.decoding)
+        if not chunks and not n_dec:
+            self.busy = False
+            return
+        c0, c1, c2, c3, c4 = self._c
+        tokens = work = 0
+        for seq, n in chunks:
+            tokens += n
+            work += n * (seq.num_computed + n)
+        context = self._ctx_base + n_dec * (k + 1)
+        dt = c0 + c1 * tokens + c2 * work + c3 * n_dec + c4 * context
+        self.busy = True
+        self.busy_s += dt
+        self._schedule(now + dt, self._end_step)
+
+    def _end_step(self, now: float) -> None:
+        k = self.step
+        self.step_ends.append(now)
+        for seq in self._joined:
+            if seq.join_step == k:  # not preempted since it joined
+                self.listener.on_first_token(seq, now)
+        self._joined = []
+        for seq, n in self._chunks:
+            seq.num_computed += n
+            if seq.num_computed >= seq.prompt_len and seq.join_step < 0 and (
+                    seq in self.prefilling or seq in self.backgrounds):
+                self._prompt_done(seq, k, now)
+        finishes = self._finishes
+        while finishes and finishes[0][0] <= k:
+            _, _, seq = heapq.heappop(finishes)
+            if seq.finish_step == k and id(seq) in self.decoding:
+                self._finish(seq, k, now)
+        self.step = k + 1
+        self._start_step(now)
+
+    # -- composing a step ----------------------------------------------------------------------
+
+    def _admit_ready(self, k: int) -> None:
+        """Imported KV joins the batch ahead of waiting prompts (`Scheduler._admit_ready`)."""
+        while self.ready:
+            seq = self.ready[0]
+            if not seq.owned_blocks:
+                need = _blocks(seq.prompt_len, self.block_size) - seq.shared_blocks
+                if need > self.free_blocks:
+                    return
+                self.free_blocks -= need
+                seq.owned_blocks = need
+            if self._seats() <= 0:
+                return
+            self.ready.pop(0)
+            seq.segments.append((k, -1))
+            self._join(seq, k, seq.prompt_len, seq.output_len)
+            self._joined.append(seq)
+
+    def _allocate_decodes(self, k: int) -> bool:
+        """This step's new decode blocks; preempt the last-sorting sequence while they do not fit."""
+        preempted = False
+        phase = (-k) % self.block_size
+        while self._phase[phase] > self.free_blocks:
+            self._preempt(self._victim(), k)
+            preempted = True
+        self.free_blocks -= self._phase[phase]
+        self._allocated = True
+        return preempted
+
+    def _run_prefills(self, k: int, chunks: list[tuple[SimSeq, int]]) -> bool:
+        preempted = False
+        for seq in list(self.prefilling):
+            budget = self.budget - len(self.decoding) - sum(n for _, n in chunks)
+            if budget <= 0:
+                break
+            if seq not in self.prefilling:
+                continue  # preempted earlier in this loop
+            n = min(seq.num_uncomputed, budget)
+            need = _blocks(seq.num_computed + n, self.block_size) - seq.shared_blocks - seq.owned_blocks
+            while need > self.free_blocks:
+                victim = self._victim()
+                self._preempt(victim, k)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq in self.prefilling:
+                self.free_blocks -= need
+                seq.owned_blocks += need
+                chunks.append((seq, n))
+        return preempted
+
+    def _chunk(self, seq: SimSeq, budget: int, decoding: bool) -> int:
+        n = min(seq.num_uncomputed, budget)
+        if decoding and seq.background:
+            n = min(n, max(1, seq.chunk_tokens or self._yield_tokens()))
+        return n
+
+    def _yield_tokens(self) -> int:
+        """The engine's background chunk when the router named none: prompt tokens that
+        cost `YIELD_STEP_FRACTION` of a decode step (`StepCostModel.yield_tokens`)."""
+        c0, c1, _, c3, c4 = self._c
+        n_dec = len(self.decoding)
+        decode_step = c0 + c3 * n_dec + c4 * (self._ctx_base + n_dec * (self.step + 1))
+        if c1 <= 0 or decode_step <= 0:
+            return DEFAULT_YIELD_TOKENS
+        return max(1, min(self.budget, int(YIELD_STEP_FRACTION * decode_step / c1)))
+
+    def _run_backgrounds(self, chunks: list[tuple[SimSeq, int]], decoding: bool) -> None:
+        for seq in self.backgrounds:
+            budget = self.budget - len(self.decoding) - sum(n for _, n in chunks)
+            if budget <= 0:
+                return
+            n = self._chunk(seq, budget, decoding)
+            need = _blocks(seq.num_computed + n, self.block_size) - seq.shared_blocks - seq.owned_blocks
+            if need > self.free_blocks:
+                return  # it waits for blocks rather than take anyone's
+            self.free_blocks -= need
+            seq.owned_blocks += need
+            chunks.append((seq, n))
+
+    def _admit_waiting(self, chunks: list[tuple[SimSeq, int]], background: bool, decoding: bool) -> None:
+        bs = self.block_size
+        while self.waiting:
+            budget = self.budget - len(self.decoding) - sum(n for _, n in chunks)
+            seq = self.waiting[0]
+            if budget <= 0 or seq.background != background or self._seats() <= 0:
+                return
+            hit = self.cache.match(seq.hashes, (seq.prompt_len - 1) // bs)
+            seq.shared_blocks, seq.num_computed = hit, hit * bs
+            n = self._chunk(seq, budget, decoding)
+            need = _blocks(seq.num_computed + n, bs) - hit
+            if need > self.free_blocks:
+                seq.shared_blocks = seq.num_computed = 0
+                return
+            self.cache.record_query(seq.prompt_len, hit * bs)
+            self.waiting.pop(0)
+            self._wait_tokens -= seq.prompt_len
+            self._wait_work -= prefill_work(0, seq.prompt_len, self.budget)[2]
+            self.free_blocks -= need
+            seq.owned_blocks = need
+            (self.backgrounds if background else self.prefilling).append(seq)
+            chunks.append((seq, n))
+
+    # -- sequences changing state --------------------------------------------------------------
+
+    def _prompt_done(self, seq: SimSeq, k: int, now: float) -> None:
+        """The step that computed a prompt's last token sampled its next token."""
+        self.cache.insert(seq.hashes)
+        (self.backgrounds if seq in self.backgrounds else self.prefilling).remove(seq)
+        if seq.kv_only:
+            self.free_blocks += seq.owned_blocks
+            seq.owned_blocks = 0
+            self.listener.on_prefilled(seq, now)
+            return
+        seq.num_emitted += 1
+        if seq.num_emitted == 1:
+            self.listener.on_first_token(seq, now)
+        left = seq.output_len - seq.num_emitted
+        if left <= 0:
+            seq.segments.append((k, k))
+            self.free_blocks += seq.owned_blocks
+            seq.owned_blocks = 0
+            self.listener.on_finished(seq, now)
+            return
+        seq.segments.append((k, -1))
+        self._join(seq, k + 1, seq.prompt_len, left)
+
+    def _join(self, seq: SimSeq, step: int, context: int, num_steps: int) -> None:
+        """`seq` decodes from `step` for `num_steps` steps, holding `context` tokens of KV."""
+        seq.join_step, seq.join_ctx, seq.finish_step = step, context, step + num_steps - 1
+        self.decoding[id(seq)] = seq
+        offset = context - step
+        self._phase[offset % self.block_size] += 1
+        self._ctx_base += offset
+        self._finish_sum += seq.finish_step
+        heapq.heappush(self._finishes, (seq.finish_step, next(_tiebreak), seq))
+
+    def _leave_batch(self, seq: SimSeq, k: int, allocated: bool) -> int:
+        """Take `seq` out of the decode batch before step `k` ends; the blocks it holds."""
+        del self.decoding[id(seq)]
+        offset = seq.join_ctx - seq.join_step
+        self._phase[offset % self.block_size] -= 1
+        self._ctx_base -= offset
+        self._finish_sum -= seq.finish_step
+        return _blocks(seq.context_at(k) + (1 if allocated else 0), self.block_size) - seq.shared_blocks
+
+    def _finish(self, seq: SimSeq, k: int, now: float) -> None:
+        self.free_blocks += self._leave_batch(seq, k, allocated=True)
+        seq.segments[-1] = (seq.segments[-1][0], k)
+        seq.num_emitted = seq.output_len
+        seq.join_step = -1
+        self.listener.on_finished(seq, now)
+
+    def _victim(self) -> SimSeq:
+        """The running sequence that sorts last (`Scheduler.running[-1]`)."""
+        if self.backgrounds:
+            return max(self.backgrounds, key=lambda s: s.arrival)
+        running = [*self.decoding.values(), *self.prefilling]
+        return max(running, key=lambda s: s.arrival)
+
+    def _preempt(self, seq: SimSeq, k: int) -> None:
+        """Free `seq`'s blocks; it waits to be recomputed, tokens it emitted included."""
+        if seq.decoding:
+            self.free_blocks += self._leave_batch(seq, k, self._allocated)
+            start = seq.segments[-1][0]
+            if k - 1 >= start:
+                seq.segments[-1] = (start, k - 1)
+            else:
+                seq.segments.pop()
+            seq.num_emitted = seq.emitted_at(k)
+            seq.prompt_len = seq.context_at(k) + 1
+            seq.join_step = -1
+        else:
+            (self.backgrounds if seq in self.backgrounds else self.prefilling).remove(seq)
+            self.free_blocks += seq.owned_blocks
+        self.num_preemptions += 1
+        self._enqueue(seq)
+
+    # -- what a heartbeat reports --------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """The fields `LLMEngine.stats()` puts in a heartbeat, from the counters."""
+        k, n_dec = self.step, len(self.decoding)
+        prefilling = self.prefilling + self.backgrounds
+        ready_context = sum(s.prompt_len + 1 for s in self.ready)
+        return {
+            "num_running": n_dec + len(prefilling), "num_waiting": len(self.waiting) + len(self.ready),
+            "kv_blocks_free": self.free_blocks, "kv_blocks_total": self.limits.num_kv_blocks,
+            "num_preemptions": self.num_preemptions,
+            "prefix_cache_queries": self.cache.num_queried_tokens, "prefix_cache_hits": self.cache.num_hit_tokens,
+            "prompt_tokens_waiting": self._wait_tokens + sum(s.num_uncomputed for s in prefilling),
+            "prompt_attention_waiting": self._wait_work + sum(
+                prefill_work(s.num_computed, s.prompt_len, self.budget)[2] for s in prefilling),
+            "num_decoding": n_dec + len(self.ready),
+            "decode_context_tokens": self._ctx_base + n_dec * (k + 1) + ready_context,
+            "decode_tokens_remaining": self._finish_sum - n_dec * (k - 1) + sum(s.output_len for s in self.ready),
+            "step_model": self._step_model,
+            "kv_bytes_per_token": self.limits.kv_bytes_per_token,
+            "max_num_batched_tokens": self.budget,
+            "max_num_seqs": self.max_num_seqs,
+        }
+
+    @property
+    def load(self) -> int:
+        return len(self.decoding) + len(self.prefilling) + len(self.backgrounds) + len(self.waiting) + len(self.ready)

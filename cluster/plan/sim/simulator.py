@@ -1,0 +1,161 @@
+"""`simulate(config, calibration, arrivals)`: a cluster run at engine-step granularity.
+
+One request's path, as in production: it arrives; the router (the real placement and
+policy code, router_model.py) places it on the simulated clock; after the calibrated
+per-request overhead (the HTTP hop, tokenisation, the router) its prompt reaches the
+engine that computes it: the decode replica (`local`, in the foreground or in the
+background at the chunk the decision carries), an idle prefill replica that runs it
+whole, or a prefill replica (`disagg`) whose KV then crosses the network to the decode
+replica. Engines step by the real scheduler's rules (engine.py) and emit tokens at step
+ends; the router sees the first token (`prefill_done`) and the end (`end`, and its
+corrections learn from the outcome). Replicas heartbeat their state; the router reads
+it every poll interval.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from cluster.plan.calibration import Calibration
+from cluster.plan.sim.arrivals import Arrival
+from cluster.plan.sim.config import SimConfig
+from cluster.plan.sim.engine import SimEngine
+from cluster.plan.sim.events import EventQueue
+from cluster.plan.sim.network import Network
+from cluster.plan.sim.result import SimRequest, SimResult, utilisation
+from cluster.plan.sim.router_model import SimRouter
+from cluster.plan.sim.sequence import SimSeq
+
+
+def simulate(config: SimConfig, calibration: Calibration, arrivals: Sequence[Arrival],
+             target_rate: float | None = None) -> SimResult:
+    """Run `arrivals` through the configured cluster; deterministic for the same inputs."""
+    return Simulation(config, calibration).run(arrivals, target_rate)
+
+
+class Simulation:
+    def __init__(self, config: SimConfig, calibration: Calibration) -> None:
+        self.config = config
+        self.limits = config.limits or calibration.limits
+        self.overhead_s = (calibration.request_overhead_s if config.request_overhead_s is None
+                           else config.request_overhead_s)
+        self.events = EventQueue()
+        link = calibration.transfer.coefficients()
+        self.network = Network(link, self.events.schedule)
+        self.router = SimRouter(config, self.limits.block_size, self.limits.max_num_seqs, link)
+        coefficients = calibration.step.coefficients()
+        self.engines: dict[str, SimEngine] = {}
+        self.nodes: dict[str, int] = {}
+        for i, (rid, role) in enumerate(config.replica_ids()):
+            self.engines[rid] = SimEngine(rid, role, self.limits, coefficients, self.events.schedule, self)
+            self.nodes[rid] = i // config.replicas_per_node
+        self.requests: list[SimRequest] = []
+        self.num_done = 0
+
+    # -- the run -------------------------------------------------------------------------------
+
+    def run(self, arrivals: Sequence[Arrival], target_rate: float | None = None) -> SimResult:
+        wall = time.perf_counter()
+        start = arrivals[0].at_s if arrivals else 0.0
+        self._start_heartbeats(start)
+        if arrivals:
+            self.events.schedule(arrivals[0].at_s, lambda t: self._arrive(arrivals, 0, t))
+        total = len(arrivals)
+        self.events.run(until=lambda: self.num_done >= total)
+        return self._result(start, time.perf_counter() - wall, target_rate)
+
+    def _start_heartbeats(self, start: float) -> None:
+        """Every replica reports once before traffic (registered), then every interval,
+        staggered across the interval; the router polls from the start."""
+        interval, n = self.config.heartbeat_interval_s, len(self.engines)
+        for i, engine in enumerate(self.engines.values()):
+            self._heartbeat(engine, start)
+            self.events.schedule(start + interval * (i + 1) / n, lambda t, e=engine: self._beat(e, t))
+        self.router.poll()
+        self.events.schedule(start + self.config.poll_interval_s, self._poll)
+
+    def _heartbeat(self, engine: SimEngine, now: float) -> None:
+        self.router.heartbeat(engine.replica_id, engine.role, self.nodes[engine.replica_id], engine.stats(), now)
+
+    def _beat(self, engine: SimEngine, now: float) -> None:
+        self._heartbeat(engine, now)
+        self.events.schedule(now + self.config.heartbeat_interval_s, lambda t: self._beat(engine, t))
+
+    def _poll(self, now: float) -> None:
+        self.router.poll()
+        self.events.schedule(now + self.config.poll_interval_s, self._poll)
+
+    def _arrive(self, arrivals: Sequence[Arrival], i: int, now: float) -> None:
+        if i + 1 < len(arrivals):
+            self.events.schedule(arrivals[i + 1].at_s, lambda t: self._arrive(arrivals, i + 1, t))
+        spec = arrivals[i].spec
+        prompt_ids = spec.prompt_ids
+        request = SimRequest(i, spec.request_id, spec.workload, now, len(prompt_ids), spec.output_len)
+        request.placement = self.router.place(spec.request_id, spec.workload, prompt_ids, spec.output_len, now)
+        self.requests.append(request)
+        self.events.schedule(now + self.overhead_s, lambda t: self._dispatch(request, t))
+
+    def _dispatch(self, request: SimRequest, now: float) -> None:
+        """The prompt reaches the replica that computes it."""
+        placement = request.placement
+        decision = placement.decision
+        hashes = placement.hashes
+        if decision.route == "disagg":
+            seq = SimSeq(request, 0, request.prompt_len, 1, hashes, kv_only=True)
+            self.engines[placement.prefill_replica].add(seq, now)
+            return
+        seq = SimSeq(request, 0, request.prompt_len, request.output_len, hashes, background=decision.yield_prefill,
+                     chunk_tokens=decision.chunk_tokens if decision.yield_prefill else None)
+        engine = self.engines[placement.target_replica]
+        request.token_steps = [engine.step_ends, seq.segments]
+        engine.add(seq, now)
+
+    # -- engine listener -----------------------------------------------------------------------
+
+    def on_prefilled(self, seq: SimSeq, now: float) -> None:
+        """A remote prefill is done: its KV (less what the decode replica caches) crosses the network."""
+        request: SimRequest = seq.owner
+        placement = request.placement
+        source, target = placement.prefill_replica, placement.target_replica
+        cached = min(placement.num_cached_tokens, request.prompt_len - 1)
+        num_bytes = (request.prompt_len - cached) * self.limits.kv_bytes_per_token
+        decode_seq = SimSeq(request, 0, request.prompt_len, request.output_len, placement.hashes)
+        engine = self.engines[target]
+        request.token_steps = [engine.step_ends, decode_seq.segments]
+
+        def arrived(t: float) -> None:
+            engine.cache.insert(placement.hashes)
+            engine.import_kv(decode_seq, t)
+
+        self.network.send(self.nodes[source], self.nodes[target], num_bytes, now, arrived)
+
+    def on_first_token(self, seq: SimSeq, now: float) -> None:
+        request: SimRequest = seq.owner
+        if request.first_at is None:
+            request.first_at = now
+            self.router.first_token(request.placement)
+
+    def on_finished(self, seq: SimSeq, now: float) -> None:
+        request: SimRequest = seq.owner
+        request.end_at = now
+        n = request.output_len
+        tpot = (now - request.first_at) / (n - 1) if n >= 2 else None
+        self.router.finished(request.placement, request.first_at - request.arrival_s, tpot, now)
+        self.num_done += 1
+
+    # -- the result ----------------------------------------------------------------------------
+
+    def _result(self, start: float, wall_s: float, target_rate: float | None) -> SimResult:
+        end = max((r.end_at for r in self.requests), default=start)
+        busy: dict[str, list[float]] = {}
+        for engine in self.engines.values():
+            busy.setdefault(engine.role, []).append(engine.busy_s)
+        return SimResult(
+            records=[r.record() for r in self.requests],
+            utilisation=utilisation(busy, end - start),
+            duration_s=end - start,
+            num_preemptions=sum(e.num_preemptions for e in self.engines.values()),
+            num_steps=sum(e.step for e in self.engines.values()),
+            num_events=self.events.num_events, num_transfers=self.network.num_transfers,
+            wall_s=wall_s, decision_wall_s=self.router.decision_wall_s, target_rate=target_rate)
