@@ -24,6 +24,7 @@ from workers.stream.client import WorkerStreams
 MAX_NAME_LEN = 64
 DEFAULT_STEPS_LIMIT = 1000  # records of each kind per replica
 STEPS_TIMEOUT_S = 2.0  # a replica that has not answered by then is listed with an error
+ENGINE_STATS = ("kv_blocks_total", "max_num_batched_tokens", "kv_bytes_per_token")  # heartbeat keys /admin/steps repeats
 
 
 def check_admin(authorization: str | None, token: str | None) -> None:
@@ -67,13 +68,24 @@ def parse_steps_query(query: dict[str, str]) -> StepsRequest:
 
 
 async def collect_steps(streams: WorkerStreams | None, view: ClusterView, req: StepsRequest,
-                        timeout_s: float = STEPS_TIMEOUT_S) -> dict[str, Any]:
+                        timeout_s: float = STEPS_TIMEOUT_S, engine: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every known replica's records, asked concurrently; one that cannot answer (no
-    worker stream, silent, failed) is listed with an `error` instead."""
+    worker stream, silent, failed) is listed with an `error` instead. `engine`: what the
+    deployment's config says of its engines (model, device, dtype), added to the answer's."""
     replicas = list(view.replicas.values())
     answers = await asyncio.gather(*(_steps_of(streams, view.stream_address(r.replica_id), req, timeout_s)
                                      for r in replicas))
-    return {"replicas": {r.replica_id: {"role": r.role, **answer} for r, answer in zip(replicas, answers, strict=True)}}
+    return {"replicas": {r.replica_id: {"role": r.role, **_engine_of(r.stats), **answer}
+                         for r, answer in zip(replicas, answers, strict=True)},
+            # the router's engine settings (a pool may override them; its replicas' own
+            # heartbeats give their KV pool and token budget under "engine")
+            "engine": {"block_size": view.block_size, "max_num_seqs": view.max_num_seqs, **(engine or {})}}
+
+
+def _engine_of(stats: dict[str, Any]) -> dict[str, Any]:
+    """What a replica's last heartbeat said about its engine's limits, for `plan calibrate`."""
+    engine = {key: stats[key] for key in ENGINE_STATS if key in stats}
+    return {"engine": engine} if engine else {}
 
 
 async def _steps_of(streams: WorkerStreams | None, address: str | None, req: StepsRequest,

@@ -325,7 +325,10 @@ class Router:
     async def admin_get_steps(self, request: Request) -> JSONResponse:
         admin.check_admin(request.headers.get("authorization"), self.admin_token)
         query = admin.parse_steps_query(dict(request.query_params))
-        return JSONResponse(await admin.collect_steps(self.streams, self.view, query))
+        model = self.config.model
+        device = model.device or ("cuda" if self.config.decode.num_gpus > 0 else "cpu")
+        return JSONResponse(await admin.collect_steps(self.streams, self.view, query, engine={
+            "model": model.served_name, "device": device, "dtype": model.dtype}))
 
     @app.get("/admin/policy")
     async def admin_get_policy(self, request: Request) -> JSONResponse:

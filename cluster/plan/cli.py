@@ -1,0 +1,105 @@
+"""`pdcluster plan ...`: the planner's commands, one typer group. `plan calibrate` fits the
+step and transfer models from a live deployment, run directories, or an offline sweep of
+the engine on this machine. Heavy modules load only when a command runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+plan_app = typer.Typer(invoke_without_command=True, add_completion=False,
+                       help="Capacity planning: calibrate the engine's costs, simulate a cluster, recommend a split.")
+DEFAULT_OUT_DIR = Path("runs/plan")
+
+
+@plan_app.callback()
+def plan_main(ctx: typer.Context) -> None:
+    """Capacity planning: calibrate the engine's costs, simulate a cluster, recommend a split."""
+    if ctx.invoked_subcommand is None:
+        typer.echo(ctx.get_help())
+
+
+@plan_app.command("calibrate")
+def calibrate_cmd(
+    url: str | None = typer.Option(None, help="A live deployment (GET /admin/steps; token from PDC_ADMIN_TOKEN)."),
+    run: list[Path] = typer.Option([], "--run", help="A run folder with steps.jsonl (repeatable): "
+                                   "`loadtest --save-steps` writes one."),
+    model: Path | None = typer.Option(None, help="Model folder: with neither --url nor --run, sweep the engine "
+                                      "on it here; otherwise only its layers and KV size are read."),
+    device: str = typer.Option("cpu", help="cpu or cuda: the sweep's device (live/run: used only where the "
+                               "deployment does not report it)."),
+    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
+    threads: int = typer.Option(1, min=1, help="Sweep: torch threads (a pool's default torch_threads is 1)."),
+    max_points: int | None = typer.Option(None, min=3, help="Sweep: at most this many grid points."),
+    block_size: int | None = typer.Option(None, min=1, help="Run/live: where the deployment did not report it."),
+    num_kv_blocks: int | None = typer.Option(None, min=1, help="Run/live: where the deployment did not report it."),
+    max_num_seqs: int | None = typer.Option(None, min=1, help="Run/live: where the deployment did not report it."),
+    max_num_batched_tokens: int | None = typer.Option(None, min=1, help="Run/live: where the deployment did not "
+                                                      "report it."),
+    out: Path | None = typer.Option(None, help=f"The calibration file (default {DEFAULT_OUT_DIR}/"
+                                    "calibration-MODEL-SOURCE.json)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the calibration as JSON on stdout."),
+) -> None:
+    """Fit the step-cost and KV transfer models and score the step model on held-out records."""
+    from cluster.plan.calibrate import CalibrationError, Overrides, from_live, from_runs
+    from cluster.plan.live import AdminError
+
+    sources = sum([url is not None, bool(run)])
+    if sources > 1 or (sources == 0 and model is None):
+        _fail("give one source: --url URL, --run DIR (repeatable), or --model DIR for an offline sweep")
+    overrides = Overrides(str(model) if model else None, device, dtype, block_size, num_kv_blocks,
+                          max_num_seqs, max_num_batched_tokens)
+    try:
+        if url is not None:
+            calibration = from_live(url, overrides=overrides)
+        elif run:
+            calibration = from_runs(run, overrides)
+        else:
+            calibration = _sweep(model, device, dtype, threads, max_points, quiet=as_json)
+    except (CalibrationError, AdminError, FileNotFoundError, ValueError) as e:
+        _fail(str(e))
+    path = calibration.save(out or DEFAULT_OUT_DIR / f"calibration-{calibration.model}-{calibration.source}.json")
+    if as_json:
+        typer.echo(json.dumps({**calibration.model_dump(), "path": str(path)}))
+    else:
+        _print_summary(calibration, path)
+
+
+def _sweep(model: Path, device: str, dtype: str, threads: int, max_points: int | None, quiet: bool):
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from cluster.plan.sweep_source import from_sweep
+
+    with Progress(TextColumn("sweep"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True), disable=quiet) as progress:
+        task = progress.add_task("sweep", total=None)
+        return from_sweep(model, device, dtype, threads, max_points,
+                          on_grid=lambda n: progress.update(task, total=n),
+                          on_point=lambda done, total: progress.update(task, completed=done))
+
+
+def _print_summary(c, path: Path) -> None:
+    s, q = c.step, c.quality
+    typer.echo(f"{c.model} on {c.device} ({c.dtype}), source {c.source}, engine {c.engine_version}")
+    typer.echo(f"step model: {s.fixed_s * 1e3:.3f} ms + {s.prefill_token_s * 1e6:.3f} us/prompt token "
+               f"+ {s.prefill_attention_s * 1e9:.3f} ns/attention unit + {s.decode_seq_s * 1e6:.2f} us/decode seq "
+               f"+ {s.decode_context_s * 1e9:.2f} ns/context token")
+    typer.echo(f"held-out error: median {q.median_relative_error:.1%}, p90 {q.p90_relative_error:.1%} "
+               f"({q.num_held_out} held out, {q.num_fitted} fitted)")
+    bandwidth = "no per-byte cost" if c.transfer.bytes_per_s is None else f"{c.transfer.bytes_per_s / 1e6:.1f} MB/s"
+    typer.echo(f"transfer: {c.transfer.fixed_s * 1e3:.2f} ms + {bandwidth} ({c.transfer.num_samples} samples); "
+               f"request overhead {c.request_overhead_s * 1e3:.2f} ms")
+    typer.echo(f"notes: {c.notes}")
+    typer.echo(f"wrote {path}")
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"plan calibrate: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def register(app: typer.Typer, bench_app: typer.Typer) -> None:
+    app.add_typer(plan_app, name="plan")

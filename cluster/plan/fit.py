@@ -1,0 +1,93 @@
+"""Fit the step and transfer models on records, with the code the `auto` policy learns
+with online (`cost_model.fit_step_coefficients`, `transfer_cost.fit_transfer`), and
+score the step model on records it was not fitted on.
+
+The held-out split is every `HOLD_OUT_EVERY`-th step with work, per replica in time
+order: the held-out records span the whole run (every batch size, every phase of the
+load) the way the fitted ones do, and none of them is ever fitted on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from cluster.plan.calibration import FitQuality, StepModel, TransferModel
+from cluster.plan.records import ReplicaStep, ReplicaTransfer
+from workers.engine.cost_model import (
+    MIN_STEP_S,
+    StepCoefficients,
+    fit_step_coefficients,
+    has_work,
+    step_features,
+)
+from workers.engine.step_cost import StepRecord
+from workers.engine.transfer_cost import DEFAULT_TRANSFER, fit_transfer
+
+HOLD_OUT_EVERY = 5  # every 5th record (per replica, time order) is scored, never fitted
+
+
+def split_held_out(steps: Sequence[ReplicaStep], every: int = HOLD_OUT_EVERY) -> tuple[list[StepRecord], list[StepRecord]]:
+    """(fitted, held out): the steps with work of each replica in time order, every
+    `every`-th one held out."""
+    fitted, held_out = [], []
+    by_replica: dict[str, list[StepRecord]] = {}
+    for s in steps:
+        if has_work(s.record):
+            by_replica.setdefault(s.replica_id, []).append(s.record)
+    for records in by_replica.values():
+        for i, record in enumerate(sorted(records, key=lambda r: r.start_time)):
+            (held_out if i % every == every - 1 else fitted).append(record)
+    return fitted, held_out
+
+
+def fit_steps(records: Sequence[StepRecord]) -> StepCoefficients:
+    """The step model over all of `records` (those with work), fitted as the policy fits it."""
+    kept = [r for r in records if has_work(r)]
+    if not kept:
+        raise ValueError("no step records with work to fit on")
+    a = np.stack([step_features(r).row() for r in kept])
+    t = np.array([r.step_time_s for r in kept])
+    return StepCoefficients.from_vector(fit_step_coefficients(a, t), len(kept))
+
+
+def relative_errors(c: StepCoefficients, records: Sequence[StepRecord]) -> np.ndarray:
+    """|predicted - measured| / measured per record with work, predicted as the policy does."""
+    kept = [r for r in records if has_work(r)]
+    if not kept:
+        return np.zeros(0)
+    predicted = np.maximum(MIN_STEP_S, np.stack([step_features(r).row() for r in kept]) @ c.vector())
+    measured = np.array([r.step_time_s for r in kept])
+    return np.abs(predicted - measured) / measured
+
+
+def fit_and_score(steps: Sequence[ReplicaStep], every: int = HOLD_OUT_EVERY) -> tuple[StepModel, FitQuality]:
+    """Fit on all but the held-out steps; the quality is measured on the held-out ones."""
+    fitted, held_out = split_held_out(steps, every)
+    if len(fitted) < 2 or not held_out:
+        raise ValueError(f"too few step records with work to fit and score ({len(fitted) + len(held_out)}); "
+                         f"calibrate from a longer run or sweep")
+    c = fit_steps(fitted)
+    errors = relative_errors(c, held_out)
+    quality = FitQuality(median_relative_error=float(np.median(errors)),
+                         p90_relative_error=float(np.percentile(errors, 90)),
+                         num_fitted=len(fitted), num_held_out=len(held_out))
+    return StepModel.of(c), quality
+
+
+def fit_transfers(transfers: Sequence[ReplicaTransfer]) -> tuple[TransferModel, str]:
+    """(model, note): the transfer cost over every sender's records against payload bytes,
+    in what a transfer adds to time to first token: the tail from the last layer handed
+    to the acknowledgement (`tail_seconds`, what the policy's `TransferTails` fits; the
+    layers before it stream while the prompt is still computing). The path most records
+    took. No records: the policy's cold default, and a note saying so."""
+    transfers = [t for t in transfers if t.record.tail_seconds > 0]  # relative error needs a positive time
+    if not transfers:
+        return (TransferModel.of(DEFAULT_TRANSFER, path="none"),
+                "no KV transfer records: the transfer model is the policy's cold default, not measured")
+    num_bytes = np.array([t.record.num_bytes for t in transfers], dtype=float)
+    seconds = np.array([t.record.tail_seconds for t in transfers], dtype=float)
+    c = fit_transfer(num_bytes, seconds, DEFAULT_TRANSFER)
+    paths = [t.record.data_path for t in transfers]
+    return TransferModel.of(c, path=max(set(paths), key=paths.count)), ""
