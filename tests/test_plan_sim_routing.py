@@ -1,0 +1,98 @@
+"""The simulator routes with the real placement and policy code: `threshold` sends
+short prompts local and long ones remote by its rule, `auto` decides from predictions
+with reasons from the closed list and learns from outcomes, profiles apply per
+workload, and shared prefixes hit the replicas' caches where affinity sends them."""
+
+from __future__ import annotations
+
+from cluster.config import SLO, WorkloadProfile
+from cluster.loadtest.workloads import RequestSpec
+from cluster.plan.sim import SimConfig, at_rate
+from cluster.plan.sim.arrivals import Arrival
+from cluster.plan.sim.simulator import Simulation
+from tests.plan_sim_support import calibration, spec
+from workers.protocol import REASONS
+
+
+def _spread(lengths: list[int], gap_s: float, workload: str = "default") -> list[Arrival]:
+    return [Arrival(i * gap_s, spec(i, n, 8, workload)) for i, n in enumerate(lengths)]
+
+
+def test_threshold_routes_short_prompts_local_and_long_ones_remote():
+    profile = WorkloadProfile(mode="threshold", min_remote_prefill_tokens=300)
+    lengths = [64, 900, 200, 299, 300, 1500, 120, 700] * 4
+    config = SimConfig(num_prefill=1, num_decode=1, profiles={"default": profile}, offload_local_to_prefill=False)
+    result = Simulation(config, calibration()).run(_spread(lengths, 0.5))
+    for r, n in zip(result.records, lengths, strict=True):
+        assert (r.route, r.reason) == (("disagg", "long-prompt") if n >= 300 else ("local", "short-prompt"))
+
+
+def test_threshold_spills_to_the_decode_replica_when_the_prefill_queue_is_full():
+    """`max_prefill_queue` 1 and a burst of long prompts: once the prefill replica holds
+    one, the next ones prefill where they decode (`prefill-busy`), as `ThresholdPolicy` says."""
+    profile = WorkloadProfile(mode="threshold", min_remote_prefill_tokens=100, max_prefill_queue=1)
+    config = SimConfig(num_prefill=1, num_decode=1, profiles={"default": profile}, offload_local_to_prefill=False)
+    result = Simulation(config, calibration()).run(_spread([800] * 6, 0.001))
+    reasons = [r.reason for r in result.records]
+    assert reasons[0] == "long-prompt"
+    assert "prefill-busy" in reasons
+    assert {r.route for r in result.records if r.reason == "prefill-busy"} == {"local"}
+
+
+def test_auto_decides_from_predictions_with_reasons_from_the_closed_list_and_learns():
+    profile = WorkloadProfile(mode="auto", slo=SLO(ttft_ms=400, tpot_ms=30))
+    config = SimConfig(num_prefill=1, num_decode=2, profiles={"default": profile})
+    sim = Simulation(config, calibration())
+    result = sim.run(at_rate("mixed", 25.0, 400, seed=0))
+    assert {r.reason for r in result.records} <= set(REASONS)
+    assert {r.route for r in result.records} == {"local", "disagg"}
+    assert all(r.predicted_ttft_s is not None and r.predicted_ttft_s > 0 for r in result.records)
+    state = sim.router.corrections.snapshot()
+    assert {route for _, route, _ in state.corrections} == {"local", "disagg"}
+    summary = result.summary()
+    assert summary.prediction_error  # the load tester's own summary compares prediction with outcome
+    assert sim.router.num_decisions == len(result.records)
+
+
+def test_profiles_apply_per_workload():
+    profiles = {"default": WorkloadProfile(mode="local"), "rag": WorkloadProfile(mode="disagg")}
+    arrivals = [Arrival(i * 0.2, spec(i, 300, 8, "rag" if i % 2 else "chat")) for i in range(20)]
+    result = Simulation(SimConfig(num_prefill=1, num_decode=1, profiles=profiles, offload_local_to_prefill=False),
+                        calibration()).run(arrivals)
+    for r in result.records:
+        assert r.route == ("disagg" if r.workload == "rag" else "local")
+
+
+def test_an_idle_prefill_replica_runs_a_local_request_whole():
+    """Two short requests at once: the decode replica has the first; the second goes whole
+    to the idle prefill replica (placement's role-flexible route) and runs there."""
+    config = SimConfig(num_prefill=1, num_decode=1, profiles={"default": WorkloadProfile(mode="local")})
+    sim = Simulation(config, calibration())
+    result = sim.run([Arrival(0.0, spec(0, 64, 50)), Arrival(0.001, spec(1, 64, 50))])
+    assert [r.route for r in result.records] == ["local", "local"]
+    assert sim.engines["prefill-0"].busy_s > 0
+    assert sim.requests[1].placement.deployment == "prefill"
+
+
+def _shared_prefix_run(enable_prefix_caching: bool) -> tuple[Simulation, object]:
+    prefixes = ["x" * 400, "y" * 400]
+    arrivals = [Arrival(i * 0.05, RequestSpec(f"r{i}", "default", (
+        {"role": "system", "content": prefixes[i % 2]}, {"role": "user", "content": f"question {i:04d}"}), 8))
+        for i in range(60)]
+    config = SimConfig(num_prefill=0, num_decode=2, profiles={"default": WorkloadProfile(mode="local")})
+    sim = Simulation(config, calibration(enable_prefix_caching=enable_prefix_caching))
+    return sim, sim.run(arrivals)
+
+
+def test_shared_prefixes_hit_the_cache_where_affinity_sends_them():
+    sim, result = _shared_prefix_run(True)
+    hits = sum(e.cache.num_hit_tokens for e in sim.engines.values())
+    queried = sum(e.cache.num_queried_tokens for e in sim.engines.values())
+    assert hits > 0.6 * queried  # the real prefix index keeps each prefix on the replica that holds it
+    by_prefix = {}
+    for req in sim.requests:
+        by_prefix.setdefault(req.index % 2, set()).add(req.placement.target_replica)
+    assert all(len(replicas) == 1 for replicas in by_prefix.values())
+    cold_sim, cold = _shared_prefix_run(False)
+    assert sum(e.cache.num_hit_tokens for e in cold_sim.engines.values()) == 0
+    assert result.summary().ttft_ms["mean"] < cold.summary().ttft_ms["mean"]
