@@ -55,6 +55,7 @@ class BenchOptions:
     scenario_span_s: float = 90.0  # disagg_hurts: the run, half before the fault and half after
     scenario_num_long: int = 30  # disagg_hurts: long prompts over the span
     shift_half_s: float = 15.0  # load_shift: each half
+    save_steps: bool = False  # every run folder also gets the apps' steps.jsonl / transfers.jsonl
 
 
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
@@ -77,6 +78,9 @@ def bench_cluster_cmd(
     direct_ingress: bool = typer.Option(True, help="Turn on Serve's direct ingress (router replicas answer "
                                         "HTTP themselves) and time the router overhead there as well as "
                                         "through the proxy."),
+    save_steps: bool = typer.Option(False, "--save-steps", help="Beside each run's requests.jsonl, write the "
+                                    "app's step and KV transfer records over the run (steps.jsonl, "
+                                    "transfers.jsonl) for `pdcluster plan calibrate --run`."),
 ) -> None:
     """Colocated vs disaggregated vs threshold vs auto on equal cores: three workloads in
     five SLO cells, two scenarios, with ratios and targets."""
@@ -89,6 +93,7 @@ def bench_cluster_cmd(
         opts.request_factor, opts.prompt_factor = 0.25, 0.5
         opts.scenario_span_s, opts.scenario_num_long, opts.shift_half_s = 10.0, 8, 4.0
     opts.num_requests = num_requests
+    opts.save_steps = save_steps
     console = Console(stderr=True, log_path=False)
     try:
         opts.workloads = parse_workloads(workloads)
@@ -153,7 +158,9 @@ def run_bench(opts: BenchOptions, log) -> dict:
         log("deploying colocated (2 decode replicas) and pd (1 prefill + 1 decode, admin API and test-only "
             "fault injection on, no fault set)")
         colocated, pd = cluster.deploy_many([
-            ("colocated", app_args(opts.preset, opts.model_cache, 0, 2, "local"), "/colocated", expected_pools(0, 2)),
+            ("colocated", app_args(opts.preset, opts.model_cache, 0, 2, "local",
+                                   admin_token_file=token_file if opts.save_steps else None),
+             "/colocated", expected_pools(0, 2)),
             ("pd", app_args(opts.preset, opts.model_cache, 1, 1, "auto", admin_token_file=token_file, faults=True),
              "/pd", expected_pools(1, 1)),
         ])
@@ -167,7 +174,8 @@ def run_bench(opts: BenchOptions, log) -> dict:
         for w in workloads.values():
             for line in w.describe():
                 log(line)
-        bench = Bench({"colocated": colocated, "pd": pd}, PolicyAdmin(pd, token), baseline, opts.out, log)
+        bench = Bench({"colocated": colocated, "pd": pd}, PolicyAdmin(pd, token), baseline, opts.out, log,
+                      save_steps_token=token if opts.save_steps else None)
         runs = run_workloads(bench, workloads, opts.repeats)
         scenarios = {}
         if "mixed" in workloads:

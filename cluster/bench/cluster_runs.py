@@ -11,6 +11,7 @@ starts from the replicas' step models alone and its error covers its own request
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -63,6 +64,7 @@ class Bench:
     out: Path
     log: object = print
     probe: object = field(default=None)
+    save_steps_token: str | None = None  # set: each run folder gets the app's step and transfer records
 
     def __post_init__(self) -> None:
         from cluster.bench.cpu_probe import CpuProbe
@@ -77,7 +79,8 @@ class Bench:
             self.admin.set_slos(cell_slos(self.baseline, config.cell, [c.name for c in workload.classes]))
             self.admin.reset()
         before = self.probe.sample()
-        run = run_workload(self.urls[config.app], workload, config.mode, out_dir, seed, on_record=on_record)
+        with self._saving_steps(config.app, out_dir):
+            run = run_workload(self.urls[config.app], workload, config.mode, out_dir, seed, on_record=on_record)
         figures = dict(run.figures(), cpu_s=self.probe.used(before))
         error = None
         if config.cell is not None:  # what the policy learned and how far off it was, kept beside the run
@@ -86,6 +89,13 @@ class Bench:
             error = policy.get("prediction_error", {})
         time.sleep(PAUSE_S)
         return RunResult(figures, run.records, error)
+
+    def _saving_steps(self, app: str, out_dir: Path):
+        if self.save_steps_token is None:
+            return contextlib.nullcontext()
+        from cluster.plan.live import saving_steps
+
+        return saving_steps(self.urls[app], out_dir, self.save_steps_token)
 
 
 def run_workloads(bench: Bench, workloads: dict[str, ClusterWorkload], repeats: int) -> dict[str, dict]:

@@ -11,7 +11,17 @@ from cluster.loadtest.session import environment, open_session, run_plan
 def run_loadtest(config: LoadTestConfig, on_record: OnRecord | None = None) -> Summary:
     """Run the load test `config` describes; write its report to `config.out_dir` if set.
     A sweep returns the summary of the highest rate meeting the SLO (else its last rate),
-    with the whole sweep in `env["sweep"]`."""
+    with the whole sweep in `env["sweep"]`. With `save_steps`, the deployment's step and
+    KV transfer records over the run go beside it (`cluster/plan/live.py`)."""
+    if config.save_steps:
+        from cluster.plan.live import saving_steps
+
+        with saving_steps(config.url, config.out_dir, config.admin_token):
+            return _run_loadtest(config, on_record)
+    return _run_loadtest(config, on_record)
+
+
+def _run_loadtest(config: LoadTestConfig, on_record: OnRecord | None) -> Summary:
     if config.sweep:
         from cluster.loadtest.sweep import run_sweep
 

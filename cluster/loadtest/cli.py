@@ -53,6 +53,9 @@ def loadtest_cmd(
     timeout: float = typer.Option(300.0, help="Seconds one request may take."),
     plots: bool = typer.Option(True, help="Write PNG plots."),
     sweep_points: int = typer.Option(5, help="--sweep: rates tried up to the saturation throughput."),
+    save_steps: bool = typer.Option(False, "--save-steps", help="Also write the deployment's step and KV transfer "
+                                    "records over the run (GET /admin/steps, token from PDC_ADMIN_TOKEN) as "
+                                    "steps.jsonl and transfers.jsonl, for `pdcluster plan calibrate --run`."),
 ) -> None:
     """Drive an OpenAI-compatible endpoint and report TTFT, TPOT, ITL, E2E, goodput, routes."""
     from cluster.loadtest.api import run_loadtest
@@ -65,7 +68,7 @@ def loadtest_cmd(
             ramp=_parse_ramp(ramp), sweep=sweep, trace=trace, duration_s=duration, num_requests=num_requests,
             seed=seed, model=model, endpoint=endpoint, api_key=api_key, slo=SLO.parse(slo), clients=clients,
             mode=mode, headers=_parse_headers(header), stream=stream, prompt_format=prompt_format,
-            timeout_s=timeout, progress=True, plots=plots, sweep_points=sweep_points,
+            timeout_s=timeout, progress=True, plots=plots, sweep_points=sweep_points, save_steps=save_steps,
         )
         summary = run_loadtest(config)
     except (ValueError, RuntimeError) as e:

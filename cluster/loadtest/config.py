@@ -70,6 +70,8 @@ class LoadTestConfig:
     sweep_points: int = 5  # rates tried between 0 and the saturation throughput
     sweep_max_concurrency: int = 64  # the closed loop that measures saturation
     slo_attainment: float = 0.9  # a rate "meets the SLO" when this fraction of requests do
+    save_steps: bool = False  # also write the deployment's steps.jsonl / transfers.jsonl into out_dir
+    admin_token: str | None = None  # for save_steps (default $PDC_ADMIN_TOKEN); never recorded
 
     def __post_init__(self) -> None:
         shapes = [self.rate is not None, self.concurrency is not None, self.ramp is not None,
@@ -87,6 +89,7 @@ class LoadTestConfig:
         _check(self.clients >= 1, "--clients must be >= 1")
         _check(self.duration_s is None or self.duration_s > 0, "--duration must be > 0")
         _check(self.num_requests is None or self.num_requests >= 1, "--num-requests must be >= 1")
+        _check(not self.save_steps or self.out_dir is not None, "--save-steps needs --out")
         self.url = self.url.rstrip("/")
 
     @property

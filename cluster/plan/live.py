@@ -13,14 +13,17 @@ kept, and the poll came back full) is counted in `num_gaps`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 
-from cluster.plan.records import RecordSet, from_admin_answer
+from cluster.plan.records import RecordSet, from_admin_answer, write_run_records
 
 TOKEN_ENV = "PDC_ADMIN_TOKEN"
 POLL_S = 2.0
@@ -132,3 +135,18 @@ class StepsCollector:
             if newest is not None and len(starts) >= POLL_LIMIT and min(starts) > newest:
                 self.num_gaps += 1
             self._newest[replica_id] = max(starts)
+
+
+@contextlib.contextmanager
+def saving_steps(url: str, out_dir: str | Path, token: str | None = None) -> Iterator[StepsCollector]:
+    """Collect the deployment's records for the duration of the block, then write
+    steps.jsonl, transfers.jsonl and deployment.json (with how the collection went)
+    into `out_dir`. Fails before the block on a bad URL or token."""
+    collector = StepsCollector(url, admin_token(token)).start()
+    try:
+        yield collector
+    finally:
+        records = collector.stop()
+        records.deployment["collection"] = {"poll_s": collector._poll_s, "num_gaps": collector.num_gaps,
+                                            "last_error": collector.last_error}
+        write_run_records(out_dir, records)

@@ -14,7 +14,7 @@ Three kinds of point, each run through the engine's own `add_request` / `step` p
 
 The grid spans chunk sizes up to the token budget, contexts up to half the model's
 context length, and batches up to `max_num_seqs`, each clipped to what the KV pool
-holds; `max_points` keeps an evenly spread subset (a test's quick sweep).
+holds; `max_points` keeps the cheapest points of each kind (a quick sweep for tests).
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ class SweepPoint:
 
 
 def sweep_grid(engine: LLMEngine, max_points: int | None = None) -> list[SweepPoint]:
-    """Every point the engine's limits allow, interleaved by kind; at most `max_points`,
-    evenly spread over the list."""
+    """Every point the engine's limits allow, interleaved by kind; with `max_points`,
+    that many of the cheapest of each kind in turn."""
     budget = engine.scheduler.max_num_batched_tokens
     max_len = engine.runner.max_model_len
     capacity = int(KV_FILL * engine.block_manager.num_blocks * engine.layout.block_size)
@@ -70,11 +70,14 @@ def sweep_grid(engine: LLMEngine, max_points: int | None = None) -> list[SweepPo
     mixed = [SweepPoint("mixed", b, c, n) for b, c, n in MIXED
              if b + 1 <= engine.scheduler.max_num_seqs and n <= budget
              and b * (c + 2 * DECODE_STEPS) + n <= capacity and c + 2 * DECODE_STEPS <= max_len // 2]
-    points = _interleave(prefill, decode, mixed)
-    if max_points is None or max_points >= len(points):
-        return points
-    step = len(points) / max_points
-    return [points[int(i * step)] for i in range(max_points)]
+    if max_points is None:
+        return _interleave(prefill, decode, mixed)
+    return _interleave(*(sorted(kind, key=_tokens) for kind in (prefill, decode, mixed)))[:max_points]
+
+
+def _tokens(point: SweepPoint) -> int:
+    """About the tokens a point computes: what its run time goes with."""
+    return point.batch * point.context + point.prompt_len + (point.context if point.kind == "prefill" else 0)
 
 
 def _interleave(*lists: list[SweepPoint]) -> list[SweepPoint]:

@@ -21,6 +21,26 @@ from cluster.plan.records import ReplicaStep
 from cluster.plan.sweep import OnPoint, run_sweep, sweep_grid
 
 DEFAULT_TORCH_THREADS = 1  # a pool's default `torch_threads`: the replicas being planned run so
+# A CPU sweep's own KV pool (64 MiB on tiny): the grid's largest point fits, and zeroing
+# the deployed default (1 GiB) would take longer than the sweep. The pool's size does not
+# change a step's cost; the limits written are the deployed pool's.
+SWEEP_KV_BLOCKS = 8192
+
+
+def _deployed_num_blocks(model_dir: str | Path, block_size: int, device: str, dtype: str) -> int | None:
+    """The KV pool a deployed CPU replica gets by default (`kv_cache.auto_num_blocks`);
+    None on a GPU, where the engine sizes it from free memory once the model is loaded
+    (and the sweep's engine does the same)."""
+    import torch
+    from transformers import AutoConfig
+
+    from workers.engine.kv_cache import auto_num_blocks, layout_from_config
+    from workers.engine.model_runner import resolve_dtype
+
+    if device != "cpu":
+        return None
+    layout = layout_from_config(AutoConfig.from_pretrained(model_dir), block_size, resolve_dtype(dtype))
+    return auto_num_blocks(layout, torch.device("cpu"))
 
 
 def from_sweep(model_dir: str | Path, device: str = "cpu", dtype: str = "float32",
@@ -39,7 +59,10 @@ def from_sweep(model_dir: str | Path, device: str = "cpu", dtype: str = "float32
     threads = torch.get_num_threads()
     torch.set_num_threads(torch_threads)
     try:
-        engine = LLMEngine(str(model_dir), **settings.model_dump(exclude={"warmup"}), device=device, dtype=dtype)
+        pool_blocks = settings.num_kv_blocks or _deployed_num_blocks(model_dir, settings.block_size, device, dtype)
+        sweep_blocks = min(pool_blocks, SWEEP_KV_BLOCKS) if pool_blocks else None
+        engine = LLMEngine(str(model_dir), **settings.model_dump(exclude={"warmup", "num_kv_blocks"}),
+                           num_kv_blocks=sweep_blocks, device=device, dtype=dtype)
         points = sweep_grid(engine, max_points)
         if on_grid is not None:
             on_grid(len(points))
@@ -55,7 +78,7 @@ def from_sweep(model_dir: str | Path, device: str = "cpu", dtype: str = "float32
     notes = [f"offline sweep of {len(points)} points ({len(result.records)} steps kept, "
              f"{result.num_contended} left out as contended) in {sweep_s:.1f} s, {torch_threads} torch thread(s)",
              transfer_note, "request_overhead_s: a sweep has no HTTP hop or router; left at 0"]
-    limits = EngineLimits(block_size=settings.block_size, num_kv_blocks=engine.block_manager.num_blocks,
+    limits = EngineLimits(block_size=settings.block_size, num_kv_blocks=pool_blocks or engine.block_manager.num_blocks,
                           max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens,
                           enable_prefix_caching=settings.enable_prefix_caching,
                           kv_bytes_per_token=engine.kv_bytes_per_token, num_layers=engine.layout.num_layers)

@@ -1,0 +1,181 @@
+"""`pdcluster plan calibrate` without a deployment: the fit through the calibration path
+on synthetic records of known cost, the held-out split, run folders on disk, the offline
+sweep of the real engine on the tiny model, the cached default, and the CLI."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from cluster.cli import app
+from cluster.plan.calibrate import CalibrationError, Overrides, from_records, from_runs
+from cluster.plan.calibration import Calibration
+from cluster.plan.fit import HOLD_OUT_EVERY, fit_and_score, split_held_out
+from cluster.plan.overhead import engine_ttft_s
+from cluster.plan.records import (
+    RecordSet,
+    ReplicaStep,
+    ReplicaTransfer,
+    read_run_records,
+    write_run_records,
+)
+from transport.transfer_record import TransferRecord
+from workers.engine.step_cost import StepRecord
+
+TRUE = (0.002, 4e-6, 2e-9, 5e-5, 3e-7)  # c0..c4, seconds per unit
+
+
+def _record(rng: random.Random, at: float, noise: float = 0.01) -> StepRecord:
+    """A step of random work whose time is the model's at TRUE, times (1 +- noise)."""
+    prefill = rng.choice([0, 0, rng.randrange(1, 1024)])
+    start = rng.randrange(0, 2048) if prefill else 0
+    decode_seqs = rng.choice([0, rng.randrange(1, 64)]) if prefill else rng.randrange(1, 64)
+    decode_context = decode_seqs * rng.randrange(32, 2048)
+    work = prefill * (start + prefill)
+    seconds = float(np.dot(TRUE, [1, prefill, work, decode_seqs, decode_context])) * (1 + rng.uniform(-noise, noise))
+    return StepRecord(start_time=at, step_time_s=seconds, num_prefill_tokens=prefill, num_decode_seqs=decode_seqs,
+                      num_context_tokens=decode_context + (start + prefill if prefill else 0), num_running=1,
+                      num_waiting=0, num_prefill_seqs=1 if prefill else 0, prefill_attention_work=work)
+
+
+def _steps(n: int, seed: int = 0, replicas: tuple[str, ...] = ("d0", "p0")) -> list[ReplicaStep]:
+    rng = random.Random(seed)
+    return [ReplicaStep(replicas[i % len(replicas)], "decode", _record(rng, 1000.0 + i)) for i in range(n)]
+
+
+def test_the_fit_recovers_known_coefficients_and_scores_held_out_records():
+    step, quality = fit_and_score(_steps(400))
+    got = [step.fixed_s, step.prefill_token_s, step.prefill_attention_s, step.decode_seq_s, step.decode_context_s]
+    assert np.allclose(got, TRUE, rtol=0.05), got
+    assert quality.median_relative_error < 0.01 and quality.p90_relative_error < 0.02
+    assert quality.num_held_out == 400 // HOLD_OUT_EVERY and quality.num_fitted == 400 - quality.num_held_out
+
+
+def test_held_out_records_are_never_fitted():
+    steps = _steps(200)
+    fitted, held_out = split_held_out(steps)
+    assert len(held_out) == 200 // HOLD_OUT_EVERY and not {id(r) for r in fitted} & {id(r) for r in held_out}
+    # every held-out record 10x slower: the fit must not move, the score must show it
+    slow = {id(r) for r in held_out}
+    corrupted = [ReplicaStep(s.replica_id, s.role, _scaled(s.record, 10.0) if id(s.record) in slow else s.record)
+                 for s in steps]
+    clean_step, clean_quality = fit_and_score(steps)
+    step, quality = fit_and_score(corrupted)
+    assert step == clean_step
+    assert quality.median_relative_error > 0.85 > clean_quality.median_relative_error
+
+
+def _scaled(r: StepRecord, factor: float) -> StepRecord:
+    return StepRecord(**{**r.__dict__, "step_time_s": r.step_time_s * factor})
+
+
+def _transfers(n: int) -> list[ReplicaTransfer]:
+    """Tails of 1 ms + bytes at 2 GB/s."""
+    out = []
+    for i in range(n):
+        num_bytes = 4096 * (i + 1)
+        out.append(ReplicaTransfer("p0", "prefill", TransferRecord(f"t{i}", num_bytes, 2, "tcp", 1000.0 + i,
+                                                                  0.05, 0.001 + num_bytes / 2e9, "d0")))
+    return out
+
+
+def _run_dir(tmp_path, with_requests: bool = True):
+    records = RecordSet(_steps(300), _transfers(20), {
+        "engine": {"block_size": 16, "max_num_seqs": 24, "model": "served-tiny", "device": "cpu", "dtype": "float32"},
+        "replicas": {"d0": {"role": "decode", "kv_blocks_total": 777, "max_num_batched_tokens": 512,
+                            "kv_bytes_per_token": 512}}})
+    write_run_records(tmp_path, records)
+    if with_requests:  # requests one after another, each 7 ms slower than the engine: the overhead
+        step, _ = fit_and_score(records.steps)
+        from cluster.plan.fit import fit_transfers
+
+        transfer, _ = fit_transfers(records.transfers)
+        rows, at = [], 0.0
+        for i in range(12):
+            route, prompt_len = ("disagg", "local")[i % 2], 100 + 50 * i
+            ttft = engine_ttft_s(prompt_len, route, step, transfer, 512, 512) + 0.007
+            rows.append({"sent_at_s": at, "ttft_s": ttft, "ended_at_s": at + ttft + 0.05, "ok": True,
+                         "route": route, "prompt_tokens": prompt_len})
+            at += ttft + 0.1
+        (tmp_path / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return records
+
+
+def test_a_run_folder_round_trips_and_calibrates_from_its_own_report(tmp_path):
+    records = _run_dir(tmp_path)
+    back = read_run_records(tmp_path)
+    def key(s):
+        return s.record.start_time
+    assert sorted(back.steps, key=key) == sorted(records.steps, key=key)
+    assert [t.record for t in back.transfers] == [t.record for t in records.transfers]
+    c = from_runs([tmp_path])
+    assert (c.source, c.model, c.device, c.dtype) == ("run", "served-tiny", "cpu", "float32")
+    assert c.limits.model_dump() == {"block_size": 16, "num_kv_blocks": 777, "max_num_seqs": 24,
+                                     "max_num_batched_tokens": 512, "enable_prefix_caching": True,
+                                     "kv_bytes_per_token": 512, "num_layers": 2}
+    assert c.transfer.num_samples == 20 and c.transfer.bytes_per_s == pytest.approx(2e9, rel=0.02)
+    assert c.transfer.fixed_s == pytest.approx(0.001, rel=0.02) and c.transfer.path == "tcp"
+    assert c.request_overhead_s == pytest.approx(0.007, abs=1e-4)
+    assert c.quality.num_held_out == 300 // HOLD_OUT_EVERY and "assumed" not in c.notes
+    assert Calibration.load(c.save(tmp_path / "cal.json")) == c
+
+
+def test_what_the_records_do_not_say_comes_from_the_caller_and_is_named(tmp_path, tiny_model_dir):
+    records = RecordSet(_steps(100))
+    with pytest.raises(CalibrationError, match="--model"):
+        from_records(records, "run", Overrides(), "test")
+    c = from_records(records, "run", Overrides(model_dir=str(tiny_model_dir), max_num_seqs=8), "test")
+    assert (c.model, c.limits.num_layers, c.limits.kv_bytes_per_token, c.limits.max_num_seqs) == ("tiny", 2, 512, 8)
+    assert "assumed" in c.notes and "device=unknown" in c.notes and c.request_overhead_s == 0
+    with pytest.raises(CalibrationError, match="no step records"):
+        from_records(RecordSet(), "run", Overrides(), "test")
+
+
+def test_the_sweep_runs_the_real_engine_and_writes_what_it_ran_on(tiny_model_dir, tmp_path):
+    from cluster.plan.sweep_source import from_sweep
+
+    seen = []
+    c = from_sweep(tiny_model_dir, "cpu", "float32", max_points=6, on_point=lambda done, total: seen.append(total))
+    assert (c.source, c.model, c.device, c.dtype) == ("sweep", "tiny", "cpu", "float32")
+    assert seen == [6] * 6 and c.quality.num_held_out >= 10 and c.quality.num_fitted >= 4 * c.quality.num_held_out - 4
+    assert c.step.num_samples == c.quality.num_fitted and c.step.fixed_s > 0
+    assert c.limits.kv_bytes_per_token == 512 and c.limits.num_layers == 2 and c.request_overhead_s == 0
+    assert c.quality.median_relative_error < 1.0  # a sanity bound; the figure itself is reported, not asserted
+    assert Calibration.load(c.save(tmp_path / "c.json")) == c
+
+
+def test_the_default_calibration_sweeps_once_then_reads_its_cache(tmp_path, monkeypatch, tiny_model_dir):
+    from cluster.plan.default import cache_key, cache_path, default_calibration
+
+    monkeypatch.setenv("PDC_CACHE_DIR", str(tmp_path))
+    shutil.copytree(tiny_model_dir, tmp_path / "tiny-seed0")  # the embedded preset, as made on first use
+    first, path = default_calibration(max_points=4)
+    again, again_path = default_calibration(max_points=4)
+    assert again == first and again_path == path and path.parent.parent == tmp_path
+    assert first.model == "tiny-seed0" and first.device == "cpu" and "1 torch thread" in first.notes
+    key = cache_key("tiny", 0, "cpu", "float32", 1, 4)
+    assert cache_path(key) == path
+    for change in ({"torch_threads": 2}, {"dtype": "bfloat16"}, {"engine_source": "0"}, {"device": "cuda"}):
+        assert cache_path({**key, **change}) != path
+
+
+def test_the_cli_calibrates_from_a_sweep_and_from_a_run(tiny_model_dir, tmp_path):
+    runner = CliRunner()
+    out = tmp_path / "sweep.json"
+    result = runner.invoke(app, ["plan", "calibrate", "--model", str(tiny_model_dir), "--max-points", "4",
+                                 "--out", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    printed = json.loads(result.stdout.strip().splitlines()[-1])
+    assert printed["path"] == str(out) and Calibration.load(out).device == "cpu"
+    _run_dir(tmp_path / "run")
+    result = runner.invoke(app, ["plan", "calibrate", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "r.json")])
+    assert result.exit_code == 0, result.output
+    assert "held-out error" in result.stdout and Calibration.load(tmp_path / "r.json").source == "run"
+    assert runner.invoke(app, ["plan", "calibrate", "--run", str(tmp_path)]).exit_code == 2  # no steps.jsonl
+    assert runner.invoke(app, ["plan", "calibrate"]).exit_code == 2
+    assert "calibrate" in runner.invoke(app, ["plan"]).stdout
