@@ -121,16 +121,13 @@ class SimEngine:
         return self.max_num_seqs - len(self.decoding) - len(self.prefilling) - len(self.backgrounds)
 
     def _start_step(self, now: float) -> None:
-        k, chunks = self.step, []
-        self._chunks, self._allocated = chunks, False
-        self._admit_ready(k)
-        preempted = self._allocate_decodes(k)
-        preempted = self._run_prefills(k, chunks) or preempted
-        if not preempted:
-            decoding = bool(self.decoding)
-            self._admit_waiting(chunks, background=False, decoding=decoding)
-            self._run_backgrounds(chunks, decoding)
-            self._admit_waiting(chunks, background=True, decoding=decoding)
+        k = self.step
+        if self.ready or self.prefilling or self.waiting or self.backgrounds:
+            chunks = self._compose(k)
+        else:  # the common step: the batch decodes, nothing else to schedule
+            chunks = self._chunks = []
+            self._allocated = False
+            self._allocate_decodes(k)
         n_dec = len(self.decoding)
         if not chunks and not n_dec:
             self.busy = False
@@ -146,13 +143,28 @@ class SimEngine:
         self.busy_s += dt
         self._schedule(now + dt, self._end_step)
 
+    def _compose(self, k: int) -> list[tuple[SimSeq, int]]:
+        """The step's prompt chunks, in the real scheduler's order (its decodes are the batch)."""
+        chunks: list[tuple[SimSeq, int]] = []
+        self._chunks, self._allocated = chunks, False
+        self._admit_ready(k)
+        preempted = self._allocate_decodes(k)
+        preempted = self._run_prefills(k, chunks) or preempted
+        if not preempted:
+            decoding = bool(self.decoding)
+            self._admit_waiting(chunks, background=False, decoding=decoding)
+            self._run_backgrounds(chunks, decoding)
+            self._admit_waiting(chunks, background=True, decoding=decoding)
+        return chunks
+
     def _end_step(self, now: float) -> None:
         k = self.step
         self.step_ends.append(now)
-        for seq in self._joined:
-            if seq.join_step == k:  # not preempted since it joined
-                self.listener.on_first_token(seq, now)
-        self._joined = []
+        if self._joined:
+            for seq in self._joined:
+                if seq.join_step == k:  # not preempted since it joined
+                    self.listener.on_first_token(seq, now)
+            self._joined = []
         for seq, n in self._chunks:
             seq.num_computed += n
             if seq.num_computed >= seq.prompt_len and seq.join_step < 0 and (

@@ -42,9 +42,11 @@ class SimPrefixCache:
         """A computed prompt's full blocks become findable (most recent last)."""
         if not self.enabled:
             return
-        held = self._held
+        held, touch = self._held, self._held.move_to_end
         for h in hashes:
-            held[h] = None
-            held.move_to_end(h)
+            if h in held:
+                touch(h)
+            else:
+                held[h] = None
         while len(held) > self.capacity_blocks:
             held.popitem(last=False)

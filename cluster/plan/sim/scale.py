@@ -47,13 +47,28 @@ def config_for(num_replicas: int, prefill_share: float, mode: str) -> SimConfig:
 
 def rate_for(calibration: Calibration, num_replicas: int, target: float, prefill_share: float, mode: str,
              probe_replicas: int = 8, probe_requests: int = 1500) -> float:
-    """The rate that keeps `num_replicas` at `target` utilisation, scaled from a probe run."""
-    probe_rate = 2.0 * probe_replicas
-    config = config_for(probe_replicas, prefill_share, mode)
-    result = simulate(config, calibration, at_rate("mixed", probe_rate, probe_requests, seed=1))
-    busy = sum(result.utilisation[p] * n for p, n in (("prefill", config.num_prefill), ("decode", config.num_decode))
-               if p in result.utilisation) / probe_replicas
-    return probe_rate * target / busy * num_replicas / probe_replicas
+    """The rate that keeps `num_replicas` at `target` utilisation: a first guess scaled
+    from a small cluster, then corrected by short runs of the full cluster (busy time
+    grows slower than the rate, batches amortising each step's fixed cost, and the
+    router spreads work differently over more replicas)."""
+    rate = _scaled_rate(calibration, probe_replicas, target, prefill_share, mode, 2.0 * probe_replicas,
+                        probe_requests) * num_replicas / probe_replicas
+    for _ in range(3):
+        rate = _scaled_rate(calibration, num_replicas, target, prefill_share, mode, rate, 8000)
+    return rate
+
+
+def _scaled_rate(calibration: Calibration, num_replicas: int, target: float, prefill_share: float, mode: str,
+                 rate: float, num_requests: int) -> float:
+    config = config_for(num_replicas, prefill_share, mode)
+    result = simulate(config, calibration, at_rate("mixed", rate, num_requests, seed=1))
+    return rate * target / mean_utilisation(config, result.utilisation)
+
+
+def mean_utilisation(config: SimConfig, utilisation: dict[str, float]) -> float:
+    """Busy share over every replica of the cluster."""
+    pools = (("prefill", config.num_prefill), ("decode", config.num_decode))
+    return sum(utilisation.get(pool, 0.0) * n for pool, n in pools) / config.num_replicas
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -89,6 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
         "summary_s": round(time.perf_counter() - summary_started, 2),
         "simulated_s": round(result.duration_s, 1), "steps": result.num_steps, "events": result.num_events,
         "utilisation": {k: round(v, 3) for k, v in result.utilisation.items()},
+        "utilisation_mean": round(mean_utilisation(config, result.utilisation), 3),
         "routes": result.routes(), "preemptions": result.num_preemptions,
         "ttft_p50_ms": summary.ttft_ms["p50"], "tpot_p50_ms": summary.tpot_ms["p50"],
     }
