@@ -64,17 +64,12 @@ class _Finishes:
 
 def run_sim(trace: Trace, limits: dict) -> tuple[list[tuple[int, int]], dict[int, int]]:
     """Every step costs 1 s (the step model's fixed cost alone), so step k ends at k + 1;
-    a request arriving before step k starts is added at k - 0.5."""
+    a request arriving before step k starts is added at k - 0.5, cutting a run of decode
+    steps (one event for several steps) where the real engine would admit it."""
     events, finishes = EventQueue(), _Finishes()
-    compositions: list[tuple[int, int]] = []
     cal = calibration(fixed_s=1.0, prefill_token_s=0.0, decode_seq_s=0.0, enable_prefix_caching=False, **limits)
-
-    def schedule(at, callback, late=False):
-        if callback.__name__ == "_end_step":
-            compositions.append((sum(n for _, n in engine._chunks), len(engine.decoding)))
-        events.schedule(at, callback, late)
-
-    engine = SimEngine("d", "decode", cal.limits, cal.step.coefficients(), schedule, finishes)
+    engine = SimEngine("d", "decode", cal.limits, cal.step.coefficients(), events.schedule, finishes)
+    engine.trace = compositions = []
     for i, (at_step, prompt_len, output_len, chunk) in enumerate(trace):
         seq = SimSeq(i, 0, prompt_len, output_len, background=chunk is not None, chunk_tokens=chunk)
         events.schedule(max(0.0, at_step - 0.5), lambda t, s=seq: engine.add(s, t))
@@ -121,3 +116,19 @@ def test_the_preemption_trace_preempts_in_both():
     events.run(until=lambda: False)
     assert engine.num_preemptions > 0
     assert engine.free_blocks == limits["num_kv_blocks"]
+
+
+def test_decode_only_steps_run_as_one_event_and_arrivals_cut_the_run():
+    """Three streams decode 60 steps in a few events; a prompt arriving mid-run is
+    admitted at the next step boundary, as `run_real` admits it; a sixth request waits
+    for a seat without breaking the runs into single steps."""
+    trace: Trace = [(0, 8, 60, None)] * 3 + [(12, 20, 3, None), (13, 30, 4, None), (14, 9, 5, None)]
+    events, finishes = EventQueue(), _Finishes()
+    cal = calibration(fixed_s=1.0, prefill_token_s=0.0, decode_seq_s=0.0, enable_prefix_caching=False, **LIMITS)
+    engine = SimEngine("d", "decode", cal.limits, cal.step.coefficients(), events.schedule, finishes)
+    for i, (at_step, prompt_len, output_len, _) in enumerate(trace):
+        events.schedule(max(0.0, at_step - 0.5), lambda t, s=SimSeq(i, 0, prompt_len, output_len): engine.add(s, t))
+    events.run(until=lambda: len(finishes.steps) == len(trace))
+    assert list(engine.step_ends) == [float(k + 1) for k in range(engine.step)]
+    assert events.num_events <= engine.step / 3
+    assert run_sim(trace, LIMITS) == run_real(trace, LIMITS)

@@ -14,7 +14,11 @@ What makes it fast: a decoding sequence is not touched per step. The batch is a 
 a sum of (context at join - join step) from which the context of every step follows, a
 count per block phase (a sequence needs a new block in the steps where its context is a
 multiple of `block_size`), and a heap of finish steps. Per step the work is O(1) plus
-the prompt chunks in it; an idle engine schedules no event.
+the prompt chunks in it; an idle engine schedules no event. While the batch only
+decodes, the steps up to the next sequence's last token differ only by the context
+growing, so they are one event (a run of steps, `_Run`) whose step ends follow in closed
+form; work that arrives during a run cuts it at the end of the step in flight, where the
+real engine would admit it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import heapq
 import itertools
 from array import array
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from cluster.plan.calibration import EngineLimits
@@ -33,6 +38,23 @@ from workers.engine.scheduler import DEFAULT_YIELD_TOKENS
 from workers.engine.step_cost import YIELD_STEP_FRACTION
 
 _tiebreak = itertools.count()
+MAX_RUN_STEPS = 64  # steps one event may cover (a heartbeat reads the counters at the run's start)
+
+
+@dataclass(frozen=True)
+class _Run:
+    """Decode-only steps `first`.. `first + num_steps - 1`, started at `start`; step j
+    (from 0) lasts `step_s + growth_s * j` (its context grows by the batch every step)."""
+
+    start: float
+    first: int
+    num_steps: int
+    step_s: float
+    growth_s: float
+    blocks: tuple[int, ...]  # new blocks each step takes, allocated when the run starts
+
+    def end_of(self, j: int) -> float:
+        return self.start + (j + 1) * self.step_s + self.growth_s * j * (j + 1) / 2
 
 
 class Listener(Protocol):
@@ -81,6 +103,9 @@ class SimEngine:
         self._chunks: list[tuple[SimSeq, int]] = []  # the step in flight's prompt chunks
         self._joined: list[SimSeq] = []  # imported sequences whose first token this step emits
         self._allocated = False  # this step's decode blocks are taken
+        self._run: _Run | None = None  # the decode-only run in flight
+        self._run_version = 0  # a run cut short leaves its old end event behind: it is ignored
+        self.trace: list[tuple[int, int]] | None = None  # set to a list: (prompt tokens, decodes) per step
 
     # -- work arriving -------------------------------------------------------------------------
 
@@ -100,10 +125,13 @@ class SimEngine:
         self._wake(now)
 
     def _wake(self, now: float) -> None:
-        """An idle engine starts a step now, after whatever else arrives at this instant."""
+        """An idle engine starts a step now, after whatever else arrives at this instant;
+        a run of decode steps ends with the step in flight."""
         if not self.busy:
             self.busy = True
             self._schedule(now, self._start_step, True)
+        elif self._run is not None:
+            self._cut_run(now)
 
     def _enqueue(self, seq: SimSeq) -> None:
         seq.num_computed = seq.shared_blocks = seq.owned_blocks = 0
@@ -122,9 +150,11 @@ class SimEngine:
 
     def _start_step(self, now: float) -> None:
         k = self.step
-        if self.ready or self.prefilling or self.waiting or self.backgrounds:
+        if self.prefilling or self.backgrounds or ((self.waiting or self.ready) and self._seats() > 0):
             chunks = self._compose(k)
-        else:  # the common step: the batch decodes, nothing else to schedule
+        elif self._start_run(now, k):
+            return
+        else:
             chunks = self._chunks = []
             self._allocated = False
             self._allocate_decodes(k)
@@ -141,7 +171,66 @@ class SimEngine:
         dt = c0 + c1 * tokens + c2 * work + c3 * n_dec + c4 * context
         self.busy = True
         self.busy_s += dt
+        if self.trace is not None:
+            self.trace.append((tokens, n_dec))
         self._schedule(now + dt, self._end_step)
+
+    # -- runs of decode-only steps -------------------------------------------------------------
+
+    def _start_run(self, now: float, k: int) -> bool:
+        """The batch only decodes (nothing waits, or nothing can take a seat before one of
+        its sequences ends): cover the steps up to its next last token with one event when
+        their blocks fit (else step by step, which may preempt)."""
+        n_dec = len(self.decoding)
+        if not n_dec or not self._finishes:
+            return False
+        num_steps = max(1, min(MAX_RUN_STEPS, self._finishes[0][0] - k + 1))
+        bs, phase = self.block_size, self._phase
+        blocks = tuple(phase[(-(k + j)) % bs] for j in range(num_steps))
+        need = sum(blocks)
+        if need > self.free_blocks:
+            return False
+        self.free_blocks -= need
+        c0, _, _, c3, c4 = self._c
+        step_s = c0 + c3 * n_dec + c4 * (self._ctx_base + n_dec * (k + 1))
+        self._run = _Run(now, k, num_steps, step_s, c4 * n_dec, blocks)
+        self._run_version += 1
+        version = self._run_version
+        self._schedule(self._run.end_of(num_steps - 1), lambda t: self._end_run(version, t))
+        return True
+
+    def _cut_run(self, now: float) -> None:
+        """Work arrived: the run ends with the step in flight (it returns later steps' blocks)."""
+        run = self._run
+        j = 0
+        while run.end_of(j) < now:
+            j += 1
+        if j >= run.num_steps - 1:
+            return
+        self.free_blocks += sum(run.blocks[j + 1:])
+        self._run = _Run(run.start, run.first, j + 1, run.step_s, run.growth_s, run.blocks[:j + 1])
+        self._run_version += 1
+        version = self._run_version
+        self._schedule(self._run.end_of(j), lambda t: self._end_run(version, t))
+
+    def _end_run(self, version: int, now: float) -> None:
+        if version != self._run_version or self._run is None:
+            return  # cut short since: a later event ends it
+        run, self._run = self._run, None
+        n_dec = len(self.decoding)
+        for j in range(run.num_steps):
+            self.step_ends.append(run.end_of(j))
+            if self.trace is not None:
+                self.trace.append((0, n_dec))
+        self.busy_s += run.end_of(run.num_steps - 1) - run.start
+        last = run.first + run.num_steps - 1
+        finishes = self._finishes
+        while finishes and finishes[0][0] <= last:
+            _, _, seq = heapq.heappop(finishes)
+            if seq.finish_step == last and id(seq) in self.decoding:
+                self._finish(seq, last, now)
+        self.step = last + 1
+        self._start_step(now)
 
     def _compose(self, k: int) -> list[tuple[SimSeq, int]]:
         """The step's prompt chunks, in the real scheduler's order (its decodes are the batch)."""
