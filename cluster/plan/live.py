@@ -72,9 +72,10 @@ class StepsCollector:
     each record once. A failed poll is retried at the next one; the last error is kept."""
 
     def __init__(self, url: str, token: str, poll_s: float = POLL_S) -> None:
-        self.url, self._token, self._poll_s = url, token, poll_s
+        self.url, self._token, self.poll_s = url, token, poll_s
         self.records = RecordSet()
         self.num_gaps = 0
+        self.num_polls = 0
         self.last_error: str | None = None
         self._seen: set[tuple] = set()
         self._newest: dict[str, float] = {}  # replica -> start_time of its newest step kept
@@ -104,7 +105,7 @@ class StepsCollector:
         self.stop()
 
     def _loop(self) -> None:
-        while not self._stop.wait(self._poll_s):
+        while not self._stop.wait(self.poll_s):
             try:
                 self.poll()
             except AdminError as e:
@@ -114,6 +115,7 @@ class StepsCollector:
         asked_at = time.time()
         new = from_admin_answer(fetch_steps(self.url, self._token, self._since))
         self._since = max(self._since, asked_at - POLL_MARGIN_S)
+        self.num_polls += 1
         self._count_gaps(new)
         self.records.steps += [s for s in new.steps if self._first_time(("s", s.replica_id, s.record))]
         self.records.transfers += [t for t in new.transfers if self._first_time(("t", t.replica_id, t.record))]
@@ -147,6 +149,6 @@ def saving_steps(url: str, out_dir: str | Path, token: str | None = None) -> Ite
         yield collector
     finally:
         records = collector.stop()
-        records.deployment["collection"] = {"poll_s": collector._poll_s, "num_gaps": collector.num_gaps,
-                                            "last_error": collector.last_error}
+        records.deployment["collection"] = {"poll_s": collector.poll_s, "num_polls": collector.num_polls,
+                                            "num_gaps": collector.num_gaps, "last_error": collector.last_error}
         write_run_records(out_dir, records)
