@@ -88,6 +88,8 @@ TRACES = {
         [(0, 6, 30, None), (0, 6, 30, None), (1, 90, 4, 5), (4, 12, 6, None)], LIMITS),
     "preemption when blocks run out, recompute later": (
         [(0, 12, 20, None), (0, 12, 20, None), (1, 12, 20, None)], dict(LIMITS, num_kv_blocks=14)),
+    "a background request is preempted before earlier and later foreground ones": (
+        [(0, 10, 25, None), (0, 30, 25, 6), (2, 10, 25, None), (3, 10, 25, None)], dict(LIMITS, num_kv_blocks=24)),
     "many requests over a tight pool, preempting": (
         [(i // 2, 9 + 3 * (i % 4), 5 + i % 7, None) for i in range(14)], dict(LIMITS, num_kv_blocks=16)),
 }

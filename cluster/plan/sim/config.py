@@ -41,7 +41,7 @@ class SimConfig:
     correction_half_life_s: float = _ROUTER.correction_half_life_s
     prefix_index_blocks: int = _ROUTER.prefix_index_blocks
     request_overhead_s: float | None = None  # None: the calibration's
-    seed: int = 0
+    seed: int = 0  # the run's seed, as the arrivals were drawn with it (the simulation itself draws nothing)
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 0 or self.num_prefill + self.num_decode == 0:

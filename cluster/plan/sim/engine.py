@@ -422,11 +422,9 @@ class SimEngine:
         self.listener.on_finished(seq, now)
 
     def _victim(self) -> SimSeq:
-        """The running sequence that sorts last (`Scheduler.running[-1]`)."""
-        if self.backgrounds:
-            return max(self.backgrounds, key=lambda s: s.arrival)
-        running = [*self.decoding.values(), *self.prefilling]
-        return max(running, key=lambda s: s.arrival)
+        """The running sequence that sorts last (`Scheduler.running[-1]`): background
+        requests (still prefilling or decoding since) first, then the latest arrival."""
+        return max([*self.backgrounds, *self.decoding.values(), *self.prefilling], key=lambda s: s.priority_key)
 
     def _preempt(self, seq: SimSeq, k: int) -> None:
         """Free `seq`'s blocks; it waits to be recomputed, tokens it emitted included."""
