@@ -5,6 +5,8 @@ workload, and shared prefixes hit the replicas' caches where affinity sends them
 
 from __future__ import annotations
 
+import json
+
 from cluster.config import SLO, WorkloadProfile
 from cluster.loadtest.workloads import RequestSpec
 from cluster.plan.sim import SimConfig, at_rate
@@ -96,3 +98,26 @@ def test_shared_prefixes_hit_the_cache_where_affinity_sends_them():
     cold_sim, cold = _shared_prefix_run(False)
     assert sum(e.cache.num_hit_tokens for e in cold_sim.engines.values()) == 0
     assert result.summary().ttft_ms["mean"] < cold.summary().ttft_ms["mean"]
+
+
+def test_arrivals_are_the_load_testers_plans(tmp_path):
+    """A built-in at a rate is `build_plan`'s schedule; a `trace.jsonl` (the rows `pdcluster
+    bench cluster` writes) keeps its offsets, lengths and per-row workloads."""
+    from cluster.loadtest.config import LoadTestConfig
+    from cluster.loadtest.runner import build_plan
+    from cluster.plan.sim import from_trace
+
+    arrivals = at_rate("mixed", 12.0, 30, seed=5)
+    plan = build_plan(LoadTestConfig("http://x", workload="mixed", rate=12.0, num_requests=30, seed=5))
+    assert [a.at_s for a in arrivals] == plan.offsets and [a.spec for a in arrivals] == plan.specs
+    rows = [{"timestamp": 100.0 + 0.25 * i, "id": f"t{i}", "prompt_len": 40 + 300 * (i % 2), "output_len": 4,
+             "workload": "rag" if i % 2 else "chat"} for i in range(8)]
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    replayed = from_trace(trace)
+    assert [a.at_s for a in replayed] == [0.25 * i for i in range(8)]
+    profiles = {"default": WorkloadProfile(mode="local"), "rag": WorkloadProfile(mode="disagg")}
+    result = Simulation(SimConfig(num_prefill=1, num_decode=1, profiles=profiles, offload_local_to_prefill=False),
+                        calibration()).run(replayed)
+    assert [(r.request_id, r.target_prompt_len, r.route) for r in result.records] == [
+        (f"t{i}", 40 + 300 * (i % 2), "disagg" if i % 2 else "local") for i in range(8)]
