@@ -60,6 +60,7 @@ class SimResult:
     wall_s: float  # the simulation's own run time
     decision_wall_s: float  # of which in the real placement and policy code
     target_rate: float | None = None
+    feedback_wall_s: float = 0.0  # and in the router's bookkeeping of first tokens and outcomes
 
     def summary(self, slo: SLO = SLO(), env: dict | None = None) -> Summary:
         """The load tester's `summary.json` of this run."""

@@ -34,6 +34,7 @@ class SimRouter:
         self.registry: dict[str, ReplicaInfo] = {}
         self.transfer_model = {"*": link.to_dict()}  # what a prefill replica's heartbeat carries
         self.decision_wall_s = 0.0  # wall time spent in `place` (the real policy code)
+        self.feedback_wall_s = 0.0  # ... and in the view's and the corrections' bookkeeping of outcomes
         self.num_decisions = 0
 
     def heartbeat(self, replica_id: str, role: str, node: int, stats: dict, now: float) -> None:
@@ -58,13 +59,17 @@ class SimRouter:
         return placement
 
     def first_token(self, placement: Placement) -> None:
+        start = time.perf_counter()
         self.view.prefill_done(placement)
+        self.feedback_wall_s += time.perf_counter() - start
 
     def finished(self, placement: Placement, ttft_s: float, tpot_s: float | None, now: float) -> None:
+        start = time.perf_counter()
         self.view.end(placement)
         outcome = outcome_of(placement, ttft_s, tpot_s)
         if outcome is not None:
             self.corrections.observe(outcome, now)
+        self.feedback_wall_s += time.perf_counter() - start
 
 
 def address_of(replica_id: str) -> str:

@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
         "decode": config.num_decode, "mode": args.mode, "rate": round(rate, 2),
         "wall_s": round(time.perf_counter() - started, 2), "workload_s": round(workload_s, 2),
         "simulate_s": round(result.wall_s, 2), "router_decisions_s": round(result.decision_wall_s, 2),
+        "router_feedback_s": round(result.feedback_wall_s, 2),
         "summary_s": round(time.perf_counter() - summary_started, 2),
         "simulated_s": round(result.duration_s, 1), "steps": result.num_steps, "events": result.num_events,
         "utilisation": {k: round(v, 3) for k, v in result.utilisation.items()},

@@ -158,4 +158,5 @@ class Simulation:
             num_preemptions=sum(e.num_preemptions for e in self.engines.values()),
             num_steps=sum(e.step for e in self.engines.values()),
             num_events=self.events.num_events, num_transfers=self.network.num_transfers,
-            wall_s=wall_s, decision_wall_s=self.router.decision_wall_s, target_rate=target_rate)
+            wall_s=wall_s, decision_wall_s=self.router.decision_wall_s, target_rate=target_rate,
+            feedback_wall_s=self.router.feedback_wall_s)
