@@ -150,13 +150,18 @@ def test_the_sweep_runs_the_real_engine_and_writes_what_it_ran_on(tiny_model_dir
 
 
 def test_the_default_calibration_sweeps_once_then_reads_its_cache(tmp_path, monkeypatch, tiny_model_dir):
-    from cluster.plan.default import cache_key, cache_path, default_calibration
+    from cluster.plan.default import (
+        cache_key,
+        cache_path,
+        default_calibration,
+        default_calibration_file,
+    )
 
     monkeypatch.setenv("PDC_CACHE_DIR", str(tmp_path))
     shutil.copytree(tiny_model_dir, tmp_path / "tiny-seed0")  # the embedded preset, as made on first use
-    first, path = default_calibration(max_points=4)
-    again, again_path = default_calibration(max_points=4)
-    assert again == first and again_path == path and path.parent.parent == tmp_path
+    first = default_calibration(max_points=4)
+    path = default_calibration_file(max_points=4)
+    assert default_calibration(max_points=4) == first and path.parent.parent == tmp_path
     assert first.model == "tiny-seed0" and first.device == "cpu" and "1 torch thread" in first.notes
     key = cache_key("tiny", 0, "cpu", "float32", 1, 4)
     assert cache_path(key) == path

@@ -52,8 +52,17 @@ def cache_path(key: dict) -> Path:
 
 def default_calibration(preset: str = DEFAULT_PRESET, device: str = "cpu", dtype: str = "float32",
                         torch_threads: int = DEFAULT_TORCH_THREADS, seed: int = 0,
-                        max_points: int | None = None, on_point=None, on_grid=None) -> tuple[Calibration, Path]:
-    """(calibration, its file): read from the cache, or swept now and cached."""
+                        max_points: int | None = None, on_point=None, on_grid=None) -> Calibration:
+    """The calibration read from the cache, or swept now and cached (`default_calibration_file`)."""
+    return Calibration.load(default_calibration_file(preset, device, dtype, torch_threads, seed, max_points,
+                                                     on_point, on_grid))
+
+
+def default_calibration_file(preset: str = DEFAULT_PRESET, device: str = "cpu", dtype: str = "float32",
+                             torch_threads: int = DEFAULT_TORCH_THREADS, seed: int = 0,
+                             max_points: int | None = None, on_point=None, on_grid=None) -> Path:
+    """The cached calibration's path, sweeping first when there is none (`on_grid(number
+    of points)` and `on_point(done, total)` report a sweep's progress)."""
     from workers.model_files import ensure_model
 
     key = cache_key(preset, seed, device, dtype, torch_threads, max_points)
@@ -63,7 +72,8 @@ def default_calibration(preset: str = DEFAULT_PRESET, device: str = "cpu", dtype
         fcntl.flock(lock, fcntl.LOCK_EX)
         if path.exists():
             try:
-                return Calibration.load(path), path
+                Calibration.load(path)
+                return path
             except ValueError:  # an older format: sweep again
                 pass
         with open(cache_dir() / ".make-model.lock", "w") as model_lock:
@@ -71,4 +81,4 @@ def default_calibration(preset: str = DEFAULT_PRESET, device: str = "cpu", dtype
             model_dir = ensure_model(cache_dir() / f"{preset}-seed{seed}", preset, seed)
         calibration = from_sweep(model_dir, device, dtype, torch_threads, max_points,
                                  on_point=on_point, on_grid=on_grid)
-        return calibration, calibration.save(path)
+        return calibration.save(path)
