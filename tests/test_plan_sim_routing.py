@@ -121,3 +121,24 @@ def test_arrivals_are_the_load_testers_plans(tmp_path):
                         calibration()).run(replayed)
     assert [(r.request_id, r.target_prompt_len, r.route) for r in result.records] == [
         (f"t{i}", 40 + 300 * (i % 2), "disagg" if i % 2 else "local") for i in range(8)]
+
+
+def test_between_heartbeats_the_view_counts_its_own_requests():
+    """Heartbeats every 30 s: a burst of 40 requests within 0.2 s still spreads evenly over
+    four decode replicas, because the real view counts what it sent since the last one
+    (the run ends long before a heartbeat after the first); at 0.1 s they keep arriving."""
+    config = SimConfig(num_prefill=0, num_decode=4, profiles={"default": WorkloadProfile(mode="local")},
+                       heartbeat_interval_s=30.0, poll_interval_s=30.0)
+    sim = Simulation(config, calibration())
+    sim.run([Arrival(0.005 * i, spec(i, 64, 200)) for i in range(40)])
+    counts: dict[str, int] = {}
+    for req in sim.requests:
+        counts[req.placement.target_replica] = counts.get(req.placement.target_replica, 0) + 1
+    assert sorted(counts.values()) == [10, 10, 10, 10]
+    assert sim.events.now < 30.0
+    assert {info.last_heartbeat for info in sim.router.view.replicas.values()} == {0.0}
+    fast = Simulation(SimConfig(num_prefill=0, num_decode=4, profiles=config.profiles, heartbeat_interval_s=0.1,
+                                poll_interval_s=0.1), calibration())
+    fast.run([Arrival(0.005 * i, spec(i, 64, 200)) for i in range(40)])
+    assert fast.events.now > 0.5
+    assert min(info.last_heartbeat for info in fast.router.view.replicas.values()) > fast.events.now - 0.25
