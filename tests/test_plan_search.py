@@ -105,3 +105,24 @@ def test_a_whole_plan_holds_together(tmp_path):
     for key in ("split_plot", "rate_plot"):
         assert open(files[key], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     assert json.loads(open(files["report"]).read())["rate"] == 2.0
+
+
+def test_the_plan_command_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from cluster.cli import app
+
+    path = CALIBRATION.save(tmp_path / "calibration.json")
+    args = ["plan", "--workload", "chat-short", "--rate", "1.5", "--slo", "ttft_ms=1500,tpot_ms=120",
+            "--replicas", "2", "--num-requests", "60", "--calibration", str(path)]
+    result = CliRunner().invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["calibration"]["path"] == str(path) and len(data["configurations"]) == len(plan_options(2))
+    table = CliRunner().invoke(app, args)
+    assert table.exit_code == 0 and "ranked by goodput per replica" in table.stdout
+    assert "Disaggregation" in table.stdout
+    partial = CliRunner().invoke(app, ["plan", "--workload", "chat-short", "--rate", "1"])
+    assert partial.exit_code == 2 and "--slo" in partial.output
+    bad = CliRunner().invoke(app, [*args[:-2], "--slo", "ttft_ms=100"])
+    assert bad.exit_code == 2 and "tpot_ms" in bad.output

@@ -15,10 +15,80 @@ DEFAULT_OUT_DIR = Path("runs/plan")
 
 
 @plan_app.callback()
-def plan_main(ctx: typer.Context) -> None:
-    """Capacity planning: calibrate the engine's costs, simulate a cluster, recommend a split."""
-    if ctx.invoked_subcommand is None:
+def plan_main(
+    ctx: typer.Context,
+    workload: str | None = typer.Option(None, help="A built-in workload (chat-short, rag-long, shared-prefix, "
+                                        "multi-turn, mixed), a workload file, or a trace.jsonl."),
+    rate: float | None = typer.Option(None, min=0.0, help="Arrival rate to plan for, requests/s."),
+    slo: str | None = typer.Option(None, help="ttft_ms=X,tpot_ms=Y: a request is good when it meets both."),
+    replicas: int | None = typer.Option(None, min=1, help="Replicas to split between prefill and decode."),
+    calibration: Path | None = typer.Option(None, help="A calibration file (`plan calibrate`); default: the "
+                                            "embedded tiny model calibrated on this machine, cached."),
+    num_requests: int = typer.Option(1000, min=20, help="Simulated requests per configuration and rate."),
+    seed: int = typer.Option(0, help="Workload and simulation seed."),
+    rate_sweep: bool = typer.Option(False, "--rate-sweep", help="Find every configuration's saturation rate "
+                                    "(default: the best few, colocated and the best disaggregated one)."),
+    replicas_per_node: int = typer.Option(8, min=1, help="Replicas sharing one node's NIC."),
+    model_path: str | None = typer.Option(None, help="Model folder to name in the recommended config."),
+    out: Path | None = typer.Option(None, help="Write plan.json, points.jsonl, PNG plots and the recommended "
+                                    "cluster config here."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
+) -> None:
+    """Capacity planning: calibrate the engine's costs, simulate a cluster, recommend a split.
+
+    With --workload, --rate, --slo and --replicas: simulate every prefill:decode split of
+    the replicas (and all-colocated) under each routing mode, rank them by goodput per
+    replica, and recommend one that meets the SLO with 15% headroom."""
+    if ctx.invoked_subcommand is not None:
+        return
+    given = [workload, rate, slo, replicas]
+    if all(v is None for v in given):
         typer.echo(ctx.get_help())
+        return
+    if any(v is None for v in given):
+        _fail("plan needs --workload, --rate, --slo and --replicas together", "plan")
+    _plan(workload, rate, slo, replicas, calibration, num_requests, seed, rate_sweep, replicas_per_node,
+          model_path, out, as_json)
+
+
+def _plan(workload: str, rate: float, slo: str, replicas: int, calibration: Path | None, num_requests: int,
+          seed: int, rate_sweep: bool, replicas_per_node: int, model_path: str | None, out: Path | None,
+          as_json: bool) -> None:
+    from cluster.plan.calibration import Calibration
+    from cluster.plan.command import PlanArgs, plan
+    from cluster.plan.evaluate import Workload, load_slo
+
+    try:
+        objective = load_slo(slo)
+        if rate <= 0:
+            raise ValueError("--rate must be > 0")
+        if calibration is not None:
+            cal, cal_path = Calibration.load(calibration), str(calibration)
+        else:
+            cal_path = str(_default_calibration_file(as_json))
+            cal = Calibration.load(cal_path)
+        args = PlanArgs(Workload(workload, num_requests, seed), rate, objective, replicas, rate_sweep,
+                        replicas_per_node, model_path, out, as_json)
+        data = plan(args, cal, cal_path, log=(lambda _: None) if as_json else (lambda m: typer.echo(m, err=True)))
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e), "plan")
+    if as_json:
+        typer.echo(json.dumps(data))
+    elif out is not None:
+        typer.echo(f"wrote {', '.join(data['files'].values())}")
+
+
+def _default_calibration_file(quiet: bool) -> Path:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from cluster.plan.default import default_calibration_file
+
+    with Progress(TextColumn("calibrating the tiny model (first use only)"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=Console(stderr=True), disable=quiet, transient=True) as progress:
+        task = progress.add_task("sweep", total=None)
+        return default_calibration_file(on_grid=lambda n: progress.update(task, total=n),
+                                        on_point=lambda done, total: progress.update(task, completed=done))
 
 
 @plan_app.command("calibrate")
@@ -96,8 +166,8 @@ def _print_summary(c, path: Path) -> None:
     typer.echo(f"wrote {path}")
 
 
-def _fail(message: str) -> None:
-    typer.echo(f"plan calibrate: {message}", err=True)
+def _fail(message: str, command: str = "plan calibrate") -> None:
+    typer.echo(f"{command}: {message}", err=True)
     raise typer.Exit(2)
 
 

@@ -55,22 +55,23 @@ def _headroom(p: PlanPoint, report: PlanReport) -> float | None:
 
 
 def print_table(report: PlanReport, slo: SLO, limit: int = 15) -> None:
+    import sys
+
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console() if sys.stdout.isatty() else Console(width=170)  # a pipe or a file: no elision
     table = Table(title=f"{report.workload} at {report.rate:g} req/s on {report.num_replicas} replicas "
                         f"(SLO {slo.as_dict()}; ranked by goodput per replica)")
     table.add_column("config", no_wrap=True)
     for col in ("meets", "attain", "good/rep", "TTFT p50/90/99", "TPOT p50/90", "ITL p50/99", "util P/D", "sat"):
         table.add_column(col, justify="right", no_wrap=True)
     for p in report.points[:limit]:
-        sat = report.saturation_of(p.option)
         table.add_row(p.option.name + (" *" if p is report.recommendation else ""), "yes" if p.meets else "no",
                       f"{p.attainment:.0%}", f"{p.goodput_per_replica:.3f}", _ms(p.ttft_ms, ("p50", "p90", "p99")),
                       _ms(p.tpot_ms, ("p50", "p90")), _ms(p.itl_ms, ("p50", "p99")),
                       f"{p.utilisation.get('prefill', 0):.0%}/{p.utilisation.get('decode', 0):.0%}",
-                      "" if sat is None else f"{sat:.3g}")
+                      _sat(report, p))
     console.print(table)
     if len(report.points) > limit:
         console.print(f"({len(report.points) - limit} more in the JSON report)")
@@ -84,7 +85,7 @@ def summary_lines(report: PlanReport) -> list[str]:
     if rec is not None:
         sat = report.saturation_of(rec.option)
         lines.append(f"Recommended: {rec.option.name} ({rec.attainment:.0%} of requests meet the SLO; "
-                     f"{report.rate:g} req/s is {report.rate / sat:.0%} of its saturation rate {sat:.3g} req/s).")
+                     f"{report.rate:g} req/s is {report.rate / sat:.1%} of its saturation rate {sat:.3g} req/s).")
         sens = ", ".join(f"{k}: {p.attainment:.0%}{'' if p.meets else ' (misses)'}" for k, p in report.sensitivity.items())
         lines.append(f"Sensitivity (share meeting the SLO): {sens}.")
     else:
@@ -99,6 +100,13 @@ def summary_lines(report: PlanReport) -> list[str]:
                              f"{needed['rate_checked']:g} req/s ({HEADROOM:.0%} headroom).")
     lines.append(report.disaggregation.get("sentence", ""))
     return lines
+
+
+def _sat(report: PlanReport, p: PlanPoint) -> str:
+    s = report.saturation.get(p.option.name)
+    if s is None:
+        return ""
+    return "none" if s.rate is None else (">=" if s.capped else "") + f"{s.rate:.3g}"
 
 
 def _ms(block: dict, keys: tuple[str, ...]) -> str:
