@@ -22,7 +22,7 @@ from workers.engine.transfer_cost import TransferCoefficients
 
 # the tiny model's step costs on a 2-core CPU, as a live deployment fitted them
 CALIBRATION = Calibration(
-    model="tiny", engine_version="test", device="cpu", dtype="float32", source="run", created_at=0.0,
+    model="tiny-seed0", engine_version="test", device="cpu", dtype="float32", source="run", created_at=0.0,
     limits=EngineLimits(block_size=16, num_kv_blocks=4096, max_num_seqs=64, max_num_batched_tokens=1024,
                         kv_bytes_per_token=4096, num_layers=8),
     step=StepModel.of(StepCoefficients(0.012, 0.00058, 3.4e-7, 0.0019, 6.7e-6)),
@@ -102,6 +102,7 @@ def test_a_whole_plan_holds_together(tmp_path):
     assert (config.prefill.num_replicas, config.decode.num_replicas) == (chosen["num_prefill"], chosen["num_decode"])
     assert config.workloads["default"].mode == chosen["mode"]
     assert config.router.default_slo.ttft_ms == 1500
+    assert (config.model.preset, config.model.path) == ("tiny", None)  # the calibration's embedded model
     for key in ("split_plot", "rate_plot"):
         assert open(files[key], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     assert json.loads(open(files["report"]).read())["rate"] == 2.0

@@ -3,6 +3,7 @@ a cluster config that `pdcluster serve --config` accepts."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import yaml
@@ -117,9 +118,10 @@ def cluster_config(option: PlanOption, slo: SLO, calibration: Calibration, model
     """The option as a cluster config: its pools, the calibration's engine limits, and a
     default profile with its mode and the SLO."""
     limits = calibration.limits
-    model = (ModelConfig(path=model_path, dtype=_dtype(calibration.dtype)) if model_path
-             else ModelConfig(preset="tiny") if calibration.model == "tiny"
-             else ModelConfig(path=calibration.model, dtype=_dtype(calibration.dtype)))
+    model = ModelConfig(path=model_path or calibration.model, dtype=_dtype(calibration.dtype))
+    preset = PRESET_NAME.fullmatch(calibration.model)
+    if model_path is None and preset is not None:  # an embedded model, as the default calibration names it
+        model = ModelConfig(preset=preset["preset"], seed=int(preset["seed"] or 0), dtype=_dtype(calibration.dtype))
     profile_slo = ProfileSLO(ttft_ms=slo.ttft_ms, tpot_ms=slo.tpot_ms)
     return ClusterConfig(
         model=model,
@@ -131,6 +133,9 @@ def cluster_config(option: PlanOption, slo: SLO, calibration: Calibration, model
         router=RouterSettings(default_slo=profile_slo),
         workloads={"default": option.profile(profile_slo)},
     )
+
+
+PRESET_NAME = re.compile(r"(?P<preset>tiny|small)(?:-seed(?P<seed>\d+))?")
 
 
 def _dtype(dtype: str) -> str:
