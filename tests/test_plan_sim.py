@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 
 from cluster.config import WorkloadProfile
-from cluster.plan.sim import SimConfig, simulate
+from cluster.plan.sim import Arrival, SimConfig, simulate
 from cluster.plan.sim.events import EventQueue
 from cluster.plan.sim.network import Network
-from tests.plan_sim_support import at_once, calibration, poisson
+from cluster.plan.sim.simulator import Simulation
+from tests.plan_sim_support import at_once, calibration, poisson, spec
 from workers.engine.transfer_cost import TransferCoefficients
 
 DISAGG = {"default": WorkloadProfile(mode="disagg")}
@@ -112,3 +113,26 @@ def test_the_same_seed_gives_the_same_run():
     assert first == second
     other = simulate(config, cal, poisson(40.0, 300, 300, 20, seed=4))
     assert [r.ttft_s for r in other.records] != [r[2] for r in first]
+
+
+def test_a_decode_replica_without_blocks_for_the_kv_prefills_itself():
+    """The decode worker reserves the KV's blocks before the remote prefill; with none
+    free it prefills locally (`decode-busy`, as workers/decode.py falls back)."""
+    cal = calibration(num_kv_blocks=40, block_size=16)
+    sim = Simulation(SimConfig(num_prefill=1, num_decode=1, profiles=DISAGG), cal)
+    result = sim.run(at_once([(300, 100)] * 3))
+    assert [(r.route, r.reason) for r in result.records] == [
+        ("disagg", "profile"), ("disagg", "profile"), ("local", "decode-busy")]
+    assert result.num_transfers == 2
+    assert all(len(r.itl_s) == 99 for r in result.records)
+
+
+def test_kv_the_decode_replica_caches_is_not_sent():
+    """The second prompt shares 20 full blocks with the first, which the decode replica
+    holds: only the rest of its KV crosses the network."""
+    kv_bytes, prefix = 1000, "p" * 320
+    cal = calibration(kv_bytes_per_token=kv_bytes)
+    sim = Simulation(SimConfig(num_prefill=1, num_decode=1, profiles=DISAGG), cal)
+    arrivals = [Arrival(0.0, spec(0, 400, 4, shared_prefix=prefix)), Arrival(1.0, spec(1, 400, 4, shared_prefix=prefix))]
+    sim.run(arrivals)
+    assert sim.network.bytes_sent == 400 * kv_bytes + (400 - 320) * kv_bytes

@@ -117,8 +117,23 @@ class SimEngine:
         self._enqueue(seq)
         self._wake(now)
 
+    def reserve(self, seq: SimSeq) -> bool:
+        """Hold blocks for a prompt another replica prefills (`LLMEngine.reserve_kv`): the
+        blocks this replica's prefix cache holds are reused (and not sent), the rest
+        allocated now; False when the pool has no room (the worker then prefills here)."""
+        bs = self.block_size
+        hit = self.cache.match(seq.hashes, (seq.prompt_len - 1) // bs)
+        need = _blocks(seq.prompt_len, bs) - hit
+        if need > self.free_blocks:
+            return False
+        self.cache.record_query(seq.prompt_len, hit * bs)
+        self.free_blocks -= need
+        seq.shared_blocks, seq.owned_blocks = hit, need
+        return True
+
     def import_kv(self, seq: SimSeq, now: float) -> None:
-        """A sequence whose prompt KV arrived from a prefill replica: it decodes here."""
+        """A sequence whose prompt KV arrived from a prefill replica (into its reserved
+        blocks, `reserve`): it decodes here."""
         seq.arrival = next(self._arrivals)
         seq.num_computed = seq.prompt_len
         self.ready.append(seq)

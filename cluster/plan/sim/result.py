@@ -28,6 +28,8 @@ class SimRequest:
     first_at: float | None = None
     end_at: float | None = None
     token_steps: list = field(default_factory=list)  # (engine step_ends, segments) of the decoding sequence
+    decode_seq: object = None  # disagg: the sequence holding its reserved blocks on the decode replica
+    fallback: str | None = None  # the worker's own reason when it prefilled locally instead (decode-busy)
 
     def token_times(self) -> np.ndarray:
         step_ends, segments = self.token_steps
@@ -43,7 +45,8 @@ class SimRequest:
             ended_at_s=self.end_at, ttft_s=self.first_at - self.arrival_s, e2e_s=self.end_at - self.arrival_s,
             itl_s=np.diff(times).tolist(), num_chunks=len(times), prompt_tokens=self.prompt_len,
             completion_tokens=self.output_len, target_prompt_len=self.prompt_len,
-            target_output_len=self.output_len, status=200, route=decision.route, reason=decision.reason,
+            target_output_len=self.output_len, status=200, route="local" if self.fallback else decision.route,
+            reason=self.fallback or decision.reason,
             predicted_ttft_s=prediction.ttft_s if prediction is not None else None,
             predicted_tpot_s=prediction.tpot_s if prediction is not None else None)
 

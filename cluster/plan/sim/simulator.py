@@ -102,11 +102,16 @@ class Simulation:
         decision = placement.decision
         hashes = placement.hashes
         if decision.route == "disagg":
-            seq = SimSeq(request, 0, request.prompt_len, 1, hashes, kv_only=True)
-            self.engines[placement.prefill_replica].add(seq, now)
-            return
-        seq = SimSeq(request, 0, request.prompt_len, request.output_len, hashes, background=decision.yield_prefill,
-                     chunk_tokens=decision.chunk_tokens if decision.yield_prefill else None)
+            decode_seq = SimSeq(request, 0, request.prompt_len, request.output_len, hashes)
+            if self.engines[placement.target_replica].reserve(decode_seq):
+                request.decode_seq = decode_seq
+                seq = SimSeq(request, 0, request.prompt_len, 1, hashes, kv_only=True)
+                self.engines[placement.prefill_replica].add(seq, now)
+                return
+            request.fallback = "decode-busy"  # no blocks for the KV: the decode worker prefills itself
+        background = decision.yield_prefill and request.fallback is None
+        seq = SimSeq(request, 0, request.prompt_len, request.output_len, hashes, background=background,
+                     chunk_tokens=decision.chunk_tokens if background else None)
         engine = self.engines[placement.target_replica]
         request.token_steps = [engine.step_ends, seq.segments]
         engine.add(seq, now)
@@ -114,13 +119,14 @@ class Simulation:
     # -- engine listener -----------------------------------------------------------------------
 
     def on_prefilled(self, seq: SimSeq, now: float) -> None:
-        """A remote prefill is done: its KV (less what the decode replica caches) crosses the network."""
+        """A remote prefill is done: its KV (less the blocks the decode replica's cache
+        held when it reserved) crosses the network into the reserved blocks."""
         request: SimRequest = seq.owner
         placement = request.placement
         source, target = placement.prefill_replica, placement.target_replica
-        cached = min(placement.num_cached_tokens, request.prompt_len - 1)
+        decode_seq = request.decode_seq
+        cached = decode_seq.shared_blocks * self.limits.block_size
         num_bytes = (request.prompt_len - cached) * self.limits.kv_bytes_per_token
-        decode_seq = SimSeq(request, 0, request.prompt_len, request.output_len, placement.hashes)
         engine = self.engines[target]
         request.token_steps = [engine.step_ends, decode_seq.segments]
 
