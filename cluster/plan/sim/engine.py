@@ -10,51 +10,28 @@ first, then the latest arrival) is preempted and recomputed later, and nothing n
 admitted that step. Each step is priced by the calibrated step model (the same features
 `LLMEngine._record_step` records).
 
-What makes it fast: a decoding sequence is not touched per step. The batch is a count,
-a sum of (context at join - join step) from which the context of every step follows, a
-count per block phase (a sequence needs a new block in the steps where its context is a
-multiple of `block_size`), and a heap of finish steps. Per step the work is O(1) plus
-the prompt chunks in it; an idle engine schedules no event. While the batch only
-decodes, the steps up to the next sequence's last token differ only by the context
-growing, so they are one event (a run of steps, `_Run`) whose step ends follow in closed
-form; work that arrives during a run cuts it at the end of the step in flight, where the
-real engine would admit it.
+What makes it fast: a decoding sequence is not touched per step (decode_batch.py keeps
+the batch as counters), so a step costs O(1) plus the prompt chunks in it; an idle engine
+schedules no event; while the batch only decodes, the steps up to the next sequence's
+last token are one event (a `DecodeRun`), cut at the step in flight when work arrives,
+where the real engine would admit it.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from array import array
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
 
 from cluster.plan.calibration import EngineLimits
+from cluster.plan.sim.decode_batch import MAX_RUN_STEPS, DecodeBatch, DecodeRun
+from cluster.plan.sim.decode_batch import num_blocks as _blocks
 from cluster.plan.sim.prefix_cache import SimPrefixCache
 from cluster.plan.sim.sequence import SimSeq
 from workers.engine.cost_model import StepCoefficients, prefill_work
 from workers.engine.scheduler import DEFAULT_YIELD_TOKENS
 from workers.engine.step_cost import YIELD_STEP_FRACTION
-
-_tiebreak = itertools.count()
-MAX_RUN_STEPS = 64  # steps one event may cover (a heartbeat reads the counters at the run's start)
-
-
-@dataclass(frozen=True)
-class _Run:
-    """Decode-only steps `first`.. `first + num_steps - 1`, started at `start`; step j
-    (from 0) lasts `step_s + growth_s * j` (its context grows by the batch every step)."""
-
-    start: float
-    first: int
-    num_steps: int
-    step_s: float
-    growth_s: float
-    blocks: tuple[int, ...]  # new blocks each step takes, allocated when the run starts
-
-    def end_of(self, j: int) -> float:
-        return self.start + (j + 1) * self.step_s + self.growth_s * j * (j + 1) / 2
 
 
 class Listener(Protocol):
@@ -64,10 +41,6 @@ class Listener(Protocol):
 
 
 Schedule = Callable[..., None]  # EventQueue.schedule(at, callback, late=False)
-
-
-def _blocks(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
 
 
 class SimEngine:
@@ -93,17 +66,13 @@ class SimEngine:
         self.ready: list[SimSeq] = []  # imported KV waiting for blocks or a seat, FCFS
         self.prefilling: list[SimSeq] = []  # running foreground prompts, FCFS
         self.backgrounds: list[SimSeq] = []  # running background prompts, FCFS
-        self.decoding: dict[int, SimSeq] = {}
-        self._finishes: list[tuple[int, int, SimSeq]] = []  # (finish step, tiebreak, seq), lazily deleted
-        self._phase = [0] * self.block_size  # decoding sequences per (join ctx - join step) mod block size
-        self._ctx_base = 0  # sum over decoding of join ctx - join step
-        self._finish_sum = 0
+        self.decoding = DecodeBatch(self.block_size)
         self._wait_tokens = 0  # prompt tokens (and their attention work) of the waiting prompts
         self._wait_work = 0
         self._chunks: list[tuple[SimSeq, int]] = []  # the step in flight's prompt chunks
         self._joined: list[SimSeq] = []  # imported sequences whose first token this step emits
         self._allocated = False  # this step's decode blocks are taken
-        self._run: _Run | None = None  # the decode-only run in flight
+        self._run: DecodeRun | None = None  # the decode-only run in flight
         self._run_version = 0  # a run cut short leaves its old end event behind: it is ignored
         self.trace: list[tuple[int, int]] | None = None  # set to a list: (prompt tokens, decodes) per step
 
@@ -182,7 +151,7 @@ class SimEngine:
         for seq, n in chunks:
             tokens += n
             work += n * (seq.num_computed + n)
-        context = self._ctx_base + n_dec * (k + 1)
+        context = self.decoding.context(k)
         dt = c0 + c1 * tokens + c2 * work + c3 * n_dec + c4 * context
         self.busy = True
         self.busy_s += dt
@@ -196,19 +165,19 @@ class SimEngine:
         """The batch only decodes (nothing waits, or nothing can take a seat before one of
         its sequences ends): cover the steps up to its next last token with one event when
         their blocks fit (else step by step, which may preempt)."""
-        n_dec = len(self.decoding)
-        if not n_dec or not self._finishes:
+        n_dec, batch = len(self.decoding), self.decoding
+        finish = batch.next_finish()
+        if not n_dec or finish is None:
             return False
-        num_steps = max(1, min(MAX_RUN_STEPS, self._finishes[0][0] - k + 1))
-        bs, phase = self.block_size, self._phase
-        blocks = tuple(phase[(-(k + j)) % bs] for j in range(num_steps))
+        num_steps = max(1, min(MAX_RUN_STEPS, finish - k + 1))
+        blocks = tuple(batch.new_blocks(k + j) for j in range(num_steps))
         need = sum(blocks)
         if need > self.free_blocks:
             return False
         self.free_blocks -= need
         c0, _, _, c3, c4 = self._c
-        step_s = c0 + c3 * n_dec + c4 * (self._ctx_base + n_dec * (k + 1))
-        self._run = _Run(now, k, num_steps, step_s, c4 * n_dec, blocks)
+        step_s = c0 + c3 * n_dec + c4 * batch.context(k)
+        self._run = DecodeRun(now, k, num_steps, step_s, c4 * n_dec, blocks)
         self._run_version += 1
         version = self._run_version
         self._schedule(self._run.end_of(num_steps - 1), lambda t: self._end_run(version, t))
@@ -223,7 +192,7 @@ class SimEngine:
         if j >= run.num_steps - 1:
             return
         self.free_blocks += sum(run.blocks[j + 1:])
-        self._run = _Run(run.start, run.first, j + 1, run.step_s, run.growth_s, run.blocks[:j + 1])
+        self._run = run.cut(j + 1)
         self._run_version += 1
         version = self._run_version
         self._schedule(self._run.end_of(j), lambda t: self._end_run(version, t))
@@ -239,11 +208,8 @@ class SimEngine:
                 self.trace.append((0, n_dec))
         self.busy_s += run.end_of(run.num_steps - 1) - run.start
         last = run.first + run.num_steps - 1
-        finishes = self._finishes
-        while finishes and finishes[0][0] <= last:
-            _, _, seq = heapq.heappop(finishes)
-            if seq.finish_step == last and id(seq) in self.decoding:
-                self._finish(seq, last, now)
+        for seq in list(self.decoding.finished_by(last)):
+            self._finish(seq, last, now)
         self.step = last + 1
         self._start_step(now)
 
@@ -274,11 +240,8 @@ class SimEngine:
             if seq.num_computed >= seq.prompt_len and seq.join_step < 0 and (
                     seq in self.prefilling or seq in self.backgrounds):
                 self._prompt_done(seq, k, now)
-        finishes = self._finishes
-        while finishes and finishes[0][0] <= k:
-            _, _, seq = heapq.heappop(finishes)
-            if seq.finish_step == k and id(seq) in self.decoding:
-                self._finish(seq, k, now)
+        for seq in list(self.decoding.finished_by(k)):
+            self._finish(seq, k, now)
         self.step = k + 1
         self._start_step(now)
 
@@ -298,17 +261,16 @@ class SimEngine:
                 return
             self.ready.pop(0)
             seq.segments.append((k, -1))
-            self._join(seq, k, seq.prompt_len, seq.output_len)
+            self.decoding.join(seq, k, seq.prompt_len, seq.output_len)
             self._joined.append(seq)
 
     def _allocate_decodes(self, k: int) -> bool:
         """This step's new decode blocks; preempt the last-sorting sequence while they do not fit."""
         preempted = False
-        phase = (-k) % self.block_size
-        while self._phase[phase] > self.free_blocks:
+        while self.decoding.new_blocks(k) > self.free_blocks:
             self._preempt(self._victim(), k)
             preempted = True
-        self.free_blocks -= self._phase[phase]
+        self.free_blocks -= self.decoding.new_blocks(k)
         self._allocated = True
         return preempted
 
@@ -345,7 +307,7 @@ class SimEngine:
         cost `YIELD_STEP_FRACTION` of a decode step (`StepCostModel.yield_tokens`)."""
         c0, c1, _, c3, c4 = self._c
         n_dec = len(self.decoding)
-        decode_step = c0 + c3 * n_dec + c4 * (self._ctx_base + n_dec * (self.step + 1))
+        decode_step = c0 + c3 * n_dec + c4 * self.decoding.context(self.step)
         if c1 <= 0 or decode_step <= 0:
             return DEFAULT_YIELD_TOKENS
         return max(1, min(self.budget, int(YIELD_STEP_FRACTION * decode_step / c1)))
@@ -408,29 +370,10 @@ class SimEngine:
             self.listener.on_finished(seq, now)
             return
         seq.segments.append((k, -1))
-        self._join(seq, k + 1, seq.prompt_len, left)
-
-    def _join(self, seq: SimSeq, step: int, context: int, num_steps: int) -> None:
-        """`seq` decodes from `step` for `num_steps` steps, holding `context` tokens of KV."""
-        seq.join_step, seq.join_ctx, seq.finish_step = step, context, step + num_steps - 1
-        self.decoding[id(seq)] = seq
-        offset = context - step
-        self._phase[offset % self.block_size] += 1
-        self._ctx_base += offset
-        self._finish_sum += seq.finish_step
-        heapq.heappush(self._finishes, (seq.finish_step, next(_tiebreak), seq))
-
-    def _leave_batch(self, seq: SimSeq, k: int, allocated: bool) -> int:
-        """Take `seq` out of the decode batch before step `k` ends; the blocks it holds."""
-        del self.decoding[id(seq)]
-        offset = seq.join_ctx - seq.join_step
-        self._phase[offset % self.block_size] -= 1
-        self._ctx_base -= offset
-        self._finish_sum -= seq.finish_step
-        return _blocks(seq.context_at(k) + (1 if allocated else 0), self.block_size) - seq.shared_blocks
+        self.decoding.join(seq, k + 1, seq.prompt_len, left)
 
     def _finish(self, seq: SimSeq, k: int, now: float) -> None:
-        self.free_blocks += self._leave_batch(seq, k, allocated=True)
+        self.free_blocks += self.decoding.leave(seq, k, allocated=True)
         seq.segments[-1] = (seq.segments[-1][0], k)
         seq.num_emitted = seq.output_len
         seq.join_step = -1
@@ -439,12 +382,12 @@ class SimEngine:
     def _victim(self) -> SimSeq:
         """The running sequence that sorts last (`Scheduler.running[-1]`): background
         requests (still prefilling or decoding since) first, then the latest arrival."""
-        return max([*self.backgrounds, *self.decoding.values(), *self.prefilling], key=lambda s: s.priority_key)
+        return max([*self.backgrounds, *self.decoding.seqs.values(), *self.prefilling], key=lambda s: s.priority_key)
 
     def _preempt(self, seq: SimSeq, k: int) -> None:
         """Free `seq`'s blocks; it waits to be recomputed, tokens it emitted included."""
         if seq.decoding:
-            self.free_blocks += self._leave_batch(seq, k, self._allocated)
+            self.free_blocks += self.decoding.leave(seq, k, self._allocated)
             start = seq.segments[-1][0]
             if k - 1 >= start:
                 seq.segments[-1] = (start, k - 1)
@@ -475,8 +418,8 @@ class SimEngine:
             "prompt_attention_waiting": self._wait_work + sum(
                 prefill_work(s.num_computed, s.prompt_len, self.budget)[2] for s in prefilling),
             "num_decoding": n_dec + len(self.ready),
-            "decode_context_tokens": self._ctx_base + n_dec * (k + 1) + ready_context,
-            "decode_tokens_remaining": self._finish_sum - n_dec * (k - 1) + sum(s.output_len for s in self.ready),
+            "decode_context_tokens": self.decoding.context(k) + ready_context,
+            "decode_tokens_remaining": self.decoding.tokens_remaining(k) + sum(s.output_len for s in self.ready),
             "step_model": self._step_model,
             "kv_bytes_per_token": self.limits.kv_bytes_per_token,
             "max_num_batched_tokens": self.budget,
