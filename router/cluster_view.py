@@ -14,8 +14,10 @@ queue is what its last heartbeat reported plus the prompts this router sent it s
 less those that got their first token since, and never less than this router's own
 backlog there; so routers that share replicas see each other's work within a heartbeat.
 A request still prefilling on another replica already counts as a stream where it will
-decode: it joins that replica's batch within its time to first token, which is inside
-the life of anything placed there now. And a request still waiting for its first token
+decode once its predicted first token is within `INCOMING_HORIZON_S` (or late): it joins
+that replica's batch inside the life of anything placed there now. One behind a long
+remote queue does not; counting it made an overloaded prefill pool look like streams on
+every decode replica, which pushed yet more prompts onto that queue. And a request still waiting for its first token
 past its predicted TTFT is evidence before it finishes: `load_of(replica, now)` reports,
 per route, how far past it the oldest one prefilling there is (`ReplicaLoad.overdue`), so
 a path that stalls (a slowed link, a stuck replica) is priced as slow while its first
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
 
 OVERDUE_MARGIN_S = 0.05  # a first token this late past its prediction is jitter, not evidence
 MAX_OVERDUE = 8.0  # as a correction: one request counts as at most this ratio
+INCOMING_HORIZON_S = 5.0  # a remote request counts where it will decode once its first token is this near
 
 
 @dataclass
@@ -74,8 +77,8 @@ class ClusterView:
         self.backlog: Counter[str] = Counter()  # prompt tokens waiting for a first token
         self.awaiting_first: Counter[str] = Counter()  # target replica, before the first token
         # decode replica: sequences prefilling elsewhere that will decode there, and their context
-        self.incoming: Counter[str] = Counter()
-        self.incoming_context: Counter[str] = Counter()
+        # target replica -> the requests prefilling elsewhere that will decode there
+        self.incoming: dict[str, dict[int, Placement]] = {}
         # (route, replica that prefills): placements waiting for their first token, oldest first
         self.waiting: dict[tuple[str, str], deque[Placement]] = {}
         self.excluded: set[str] = set()  # replicas that just failed a call, until the next update
@@ -109,15 +112,29 @@ class ClusterView:
         since = self.since.get(rid) or _Since()
         decoding = max(base.num_streams, self.num_streams(replica))
         per_stream = base.stream_context / base.num_streams if base.num_streams else 0.0
-        context = base.stream_context + (decoding - base.num_streams) * per_stream + self.incoming_context.get(rid, 0)
+        incoming, incoming_context = self.incoming_soon(rid, now)
+        context = base.stream_context + (decoding - base.num_streams) * per_stream + incoming_context
         slos = self.stream_slos.get(rid)
         return dataclasses.replace(
             base,
             queue_tokens=max(self.backlog.get(rid, 0), base.queue_tokens + since.sent_tokens - since.done_tokens),
             queue_work=max(self.backlog_work.get(rid, 0), base.queue_work + since.sent_work - since.done_work),
-            num_streams=decoding + self.incoming.get(rid, 0), stream_context=int(context),
+            num_streams=decoding + incoming, stream_context=int(context),
             num_requests=self.load(replica), stream_tpot_slo_s=min(slos) if slos else None,
             overdue=self.overdue_of(rid, now) if now is not None else {})
+
+    def incoming_soon(self, replica_id: str, now: float | None = None) -> tuple[int, int]:
+        """(sequences, their context tokens) prefilling elsewhere that will decode on
+        `replica_id`: with `now`, only those whose first token is predicted within
+        `INCOMING_HORIZON_S` (or already late); a request behind a long remote queue does
+        not join this batch within the life of anything placed here now."""
+        seqs = context = 0
+        for p in self.incoming.get(replica_id, {}).values():
+            if now is None or p.decision.prediction is None or \
+                    p.placed_at + p.decision.prediction.ttft_s <= now + INCOMING_HORIZON_S:
+                seqs += p.num_sequences
+                context += p.num_sequences * p.prompt_len
+        return seqs, context
 
     def overdue_of(self, replica_id: str, now: float) -> dict[str, float]:
         """Per route: the oldest request waiting for a first token from `replica_id`'s
@@ -188,8 +205,7 @@ class ClusterView:
         if placement.target_replica:
             self.awaiting_first[placement.target_replica] += placement.num_sequences
             if _prefills_elsewhere(placement):
-                self.incoming[placement.target_replica] += placement.num_sequences
-                self.incoming_context[placement.target_replica] += placement.num_sequences * placement.prompt_len
+                self.incoming.setdefault(placement.target_replica, {})[id(placement)] = placement
             if placement.tpot_slo_s:
                 self.stream_slos.setdefault(placement.target_replica, Counter())[placement.tpot_slo_s] += 1
 
@@ -229,9 +245,10 @@ class ClusterView:
         if placement.target_replica:
             _decrement(self.awaiting_first, placement.target_replica, placement.num_sequences)
             if _prefills_elsewhere(placement):
-                _decrement(self.incoming, placement.target_replica, placement.num_sequences)
-                _decrement(self.incoming_context, placement.target_replica,
-                           placement.num_sequences * placement.prompt_len)
+                waiting = self.incoming.get(placement.target_replica, {})
+                waiting.pop(id(placement), None)
+                if not waiting:
+                    self.incoming.pop(placement.target_replica, None)
 
 
     def _drop_answered(self, key: tuple[str, str]) -> None:

@@ -212,6 +212,22 @@ def test_the_transfer_tail_is_left_to_the_links_own_fit():
     assert fixed.prediction.ttft_s == pytest.approx((raw.prediction.ttft_s - tail) * factor + tail)
 
 
+def test_when_every_route_misses_the_one_that_misses_by_less_wins_over_sparing_the_streams():
+    """Own TTFT missed everywhere: 5x late behind a prefill queue, or 1.5x late beside
+    three streams it nudges 20% past their TPOT. Sending it to the queue would spare the
+    streams but lengthen a backlog that every later remote request waits behind."""
+    from router.auto_policy import OVERLOAD_WEIGHT, best, score
+
+    c = ctx(slo=SLO(ttft_ms=2000, tpot_ms=50), max_tokens=1)
+    queued = predict.Candidate("remote", "d1", "p1", predict.Prediction(10.0, 0.02, 0.0))
+    beside = predict.Candidate("local", "d1", "d1", predict.Prediction(3.0, 0.02, 0.06), num_streams=3)
+    scored = [score(c, queued, queued.prediction), score(c, beside, beside.prediction)]
+    assert not any(s.meets for s in scored)
+    assert scored[0].loss == pytest.approx(1.0 + OVERLOAD_WEIGHT * 4.0)
+    assert scored[1].loss == pytest.approx(1.0 + OVERLOAD_WEIGHT * 0.5 + 3 * 0.2)
+    assert best(scored).candidate is beside
+
+
 def test_smoothing_bounds_and_reset():
     c = Corrections()
     c.observe(Outcome("local", "d1", "d1", 0.1, 1e6), now=0.0)  # one absurd sample is clamped

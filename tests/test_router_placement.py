@@ -6,6 +6,7 @@ plain process)."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -115,6 +116,26 @@ def test_placement_spills_a_prompt_where_its_first_token_comes_sooner():
     assert view.num_streams(view.replicas["d1"]) == 0 and "d1" not in view.backlog
 
 
+def test_a_request_behind_a_long_remote_queue_is_not_yet_a_stream_where_it_will_decode():
+    """Counted once its predicted first token is within the horizon (or late), not while
+    it waits behind a long prefill queue."""
+    from router.cluster_view import INCOMING_HORIZON_S
+
+    view = ClusterView(block_size=16, max_num_seqs=8)
+    view.update([replica("d1", "decode"), replica("p1", "prefill")])
+    far = place(view, [1] * 100, 8, WorkloadProfile(mode="disagg"), None, offload_to_prefill=False)
+    far = dataclasses.replace(far, decision=dataclasses.replace(
+        far.decision, prediction=dataclasses.replace(far.decision.prediction, ttft_s=30.0)), placed_at=100.0)
+    view.begin(far)
+    assert view.incoming_soon("d1", now=100.0) == (0, 0)
+    assert view.incoming_soon("d1", now=130.0 - INCOMING_HORIZON_S) == (1, 100)
+    assert view.incoming_soon("d1", now=200.0) == (1, 100)  # late: any moment now
+    assert view.incoming_soon("d1") == (1, 100)  # no clock: every one
+    assert view.load_of(view.replicas["d1"], now=100.0).num_streams == 0
+    view.end(far)
+    assert view.incoming == {}
+
+
 def test_n_sequences_count_n_streams_where_they_decode():
     """A request of 4 sequences: 4 in flight and 4 streams on its decode replica after the
     first token, one prefill on the prefill replica; the next request sees that load."""
@@ -131,7 +152,7 @@ def test_n_sequences_count_n_streams_where_they_decode():
     view.prefill_done(four)
     assert view.inflight == {"d1": 4} and view.num_streams(view.replicas["d1"]) == 4
     decoding = view.load_of(view.replicas["d1"])
-    assert (decoding.num_streams, view.incoming, view.incoming_context) == (4, {}, {})
+    assert (decoding.num_streams, view.incoming) == (4, {})
     one = place(view, [2] * 100, 8, AUTO, None, offload_to_prefill=False)
     assert one.target_replica == "d2"  # d1 holds 4 streams
     view.end(four)
