@@ -34,9 +34,9 @@ if TYPE_CHECKING:
 
 DECODE_STEPS = 16  # tokens each decode point's sequences generate
 REPEATS = 3  # each point runs this many times (different prompts)
-CHUNK_LENS = (16, 64, 256, 1024)
+CHUNK_LENS = (16, 32, 64, 128, 256, 512, 1024)
 CONTEXTS = (0, 128, 512, 2048)
-BATCHES = (1, 2, 4, 8, 16, 32, 64)
+BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 DECODE_CONTEXTS = ((64, 256), (256, 2048), (64, 2048))  # (shortest, longest) prompt of a batch
 MAX_DECODE_TOKENS = 32_768  # batch x context of one decode point (its prefill dominates beyond)
 MIXED = ((4, 128, 64), (16, 512, 256), (8, 1024, 32), (32, 128, 512))  # (batch, context, prompt)
@@ -91,48 +91,82 @@ def _interleave(*lists: list[SweepPoint]) -> list[SweepPoint]:
 class SweepResult:
     records: list[StepRecord] = field(default_factory=list)  # the steps kept, in order
     num_contended: int = 0  # steps left out: the thread had the CPU for too little of them
+    num_unaligned: int = 0  # points whose repeats scheduled different steps (all their steps kept)
+
+    def add_point(self, runs: list[list[tuple[StepRecord, bool]]]) -> None:
+        """Per step position, the record of median time among the point's repeats (which
+        ran the same shapes, so the same steps); a repeat's step that was contended does
+        not count. Repeats that scheduled different steps keep all their records."""
+        if not _aligned(runs):
+            self.num_unaligned += 1
+            for run in runs:
+                self._add([r for r, contended in run if not contended], sum(c for _, c in run))
+            return
+        for column in zip(*runs, strict=True):
+            kept = sorted((r for r, contended in column if not contended), key=lambda r: r.step_time_s)
+            self._add(kept[(len(kept) - 1) // 2:][:1], 0 if kept else 1)
+
+    def _add(self, records: list[StepRecord], num_contended: int) -> None:
+        self.records += records
+        self.num_contended += num_contended
+
+
+def _aligned(runs: list[list[tuple[StepRecord, bool]]]) -> bool:
+    def shape(r: StepRecord) -> tuple:
+        return r.num_prefill_tokens, r.num_decode_seqs, r.num_context_tokens, r.prefill_attention_work
+
+    return len({tuple(shape(r) for r, _ in run) for run in runs}) == 1
 
 
 def run_sweep(engine: LLMEngine, points: list[SweepPoint], seed: int = 0, on_point: OnPoint | None = None,
               check_contention: bool = True) -> SweepResult:
-    """Run every point on an idle engine and keep the step records of all of them.
+    """Run every point on an idle engine and keep, per step, a typical record of it.
 
     Each point runs once unrecorded first (a shape's first steps pay one-time costs), then
-    `REPEATS` times. A first small request wakes the model (lazy initialisation, allocator
-    growth). With `check_contention` (a CPU engine on one torch thread: the whole step
-    runs on the calling thread), a step whose thread ran on a core for less than
-    `MIN_CPU_SHARE` of its wall time is left out: another process had the core, and a
-    profile of the engine would learn that process's bursts as the engine's cost.
-    (A live deployment's records keep their contention: it is the deployment's.)"""
-    sweeper = _Sweeper(engine, random.Random(seed), check_contention)
-    sweeper.run_requests([(engine.layout.block_size, 2)], record=False)
+    `REPEATS` times with the same shapes (other token ids, so the prefix cache does not
+    help), and each step keeps the record of median time among its repeats: a burst of
+    another process on this machine lands in one repeat, not in the profile. A first
+    small request wakes the model (lazy initialisation, allocator growth). With
+    `check_contention` (a CPU engine on one torch thread: the whole step runs on the
+    calling thread), a repeat's step whose thread ran on a core for less than
+    `MIN_CPU_SHARE` of its wall time does not count either: another process had the
+    core. (A live deployment's records keep their contention: it is the deployment's.)"""
+    rng = random.Random(seed)
+    sweeper = _Sweeper(engine, rng, check_contention)
+    sweeper.run_requests([(engine.layout.block_size, 2)])
+    result = SweepResult()
     for i, point in enumerate(points):
-        sweeper.run_point(point, record=False)
-        for _ in range(REPEATS):
-            sweeper.run_point(point)
+        shape_seed = rng.randrange(1 << 30)
+        sweeper.run_point(point, shape_seed)
+        result.add_point([sweeper.run_point(point, shape_seed) for _ in range(REPEATS)])
         if on_point is not None:
             on_point(i + 1, len(points))
     engine.step_records.clear()
-    return sweeper.result
+    return result
 
 
 class _Sweeper:
     def __init__(self, engine: LLMEngine, rng: random.Random, check_contention: bool) -> None:
         self.engine, self.rng, self.check_contention = engine, rng, check_contention
-        self.result = SweepResult()
+        self.steps: list[tuple[StepRecord, bool]] = []  # (record, contended) of the run going on
 
-    def run_point(self, point: SweepPoint, record: bool = True) -> None:
+    def run_point(self, point: SweepPoint, shape_seed: int) -> list[tuple[StepRecord, bool]]:
+        """Run one repeat of `point`; its lengths come from `shape_seed`, its token ids
+        from the sweep's own generator. Returns its steps with work, in order."""
+        self.steps = []
+        shapes = random.Random(shape_seed)
         if point.kind == "prefill":
             context = self.random_prompt(point.context) if point.context else []
             if context:  # computed now and left in the prefix cache for the chunk to attend to
-                self.run_requests([], prompts=[(context, 1)], record=record)
-            self.run_requests([], prompts=[(context + self.random_prompt(point.prompt_len), 1)], record=record)
+                self.run_requests([], prompts=[(context, 1)])
+            self.run_requests([], prompts=[(context + self.random_prompt(point.prompt_len), 1)])
         elif point.kind == "decode":
-            self.run_requests([(_log_uniform(self.rng, point.context_lo, point.context), DECODE_STEPS)
-                               for _ in range(point.batch)], record=record)
+            self.run_requests([(_log_uniform(shapes, point.context_lo, point.context), DECODE_STEPS)
+                               for _ in range(point.batch)])
         else:
             late = (self.random_prompt(point.prompt_len), 2)
-            self.run_requests([(point.context, 2 * DECODE_STEPS)] * point.batch, late=late, record=record)
+            self.run_requests([(point.context, 2 * DECODE_STEPS)] * point.batch, late=late)
+        return self.steps
 
     def random_prompt(self, length: int) -> list[int]:
         engine = self.engine
@@ -140,7 +174,7 @@ class _Sweeper:
         return [self.rng.randrange(vocab_size) for _ in range(length)]
 
     def run_requests(self, shapes: list[tuple[int, int]], prompts: list[tuple[list[int], int]] | None = None,
-                     late: tuple[list[int], int] | None = None, record: bool = True) -> None:
+                     late: tuple[list[int], int] | None = None) -> None:
         """Add random prompts of (length, max_tokens) (or the given (prompt, max_tokens))
         and step until all finish; `late` joins at the first step where every other one decodes."""
         engine = self.engine
@@ -152,21 +186,17 @@ class _Sweeper:
             if late is not None and all(seq.is_decoding for seq in engine.requests.values()):
                 engine.add_request(f"{base}-late", late[0], _params(self.rng, late[1]))
                 late = None
-            self.step(record)
+            self.step()
 
-    def step(self, record: bool) -> None:
+    def step(self) -> None:
         engine = self.engine
         last = engine.step_records[-1] if engine.step_records else None
         cpu0, wall0 = time.thread_time(), time.perf_counter()
         engine.step()
         cpu_share = (time.thread_time() - cpu0) / max(1e-9, time.perf_counter() - wall0)
         new = engine.step_records[-1] if engine.step_records else None
-        if not record or new is None or new is last or not (new.num_prefill_tokens or new.num_decode_seqs):
-            return
-        if self.check_contention and cpu_share < MIN_CPU_SHARE:
-            self.result.num_contended += 1
-        else:
-            self.result.records.append(new)
+        if new is not None and new is not last and (new.num_prefill_tokens or new.num_decode_seqs):
+            self.steps.append((new, self.check_contention and cpu_share < MIN_CPU_SHARE))
 
 
 def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:

@@ -18,7 +18,7 @@ from cluster.plan.calibration import Calibration, EngineLimits
 from cluster.plan.fit import fit_and_score, fit_transfers
 from cluster.plan.model_facts import engine_version
 from cluster.plan.records import ReplicaStep
-from cluster.plan.sweep import OnPoint, run_sweep, sweep_grid
+from cluster.plan.sweep import REPEATS, OnPoint, run_sweep, sweep_grid
 
 DEFAULT_TORCH_THREADS = 1  # a pool's default `torch_threads`: the replicas being planned run so
 # A CPU sweep's own KV pool (64 MiB on tiny): the grid's largest point fits, and zeroing
@@ -75,8 +75,9 @@ def from_sweep(model_dir: str | Path, device: str = "cpu", dtype: str = "float32
     step, quality = fit_and_score([ReplicaStep("sweep", "decode", r) for r in result.records])
     transfer, transfer_note = fit_transfers([])
     ran_on = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu"
-    notes = [f"offline sweep of {len(points)} points ({len(result.records)} steps kept, "
-             f"{result.num_contended} left out as contended) in {sweep_s:.1f} s, {torch_threads} torch thread(s)",
+    notes = [f"offline sweep of {len(points)} points in {sweep_s:.1f} s, {torch_threads} torch thread(s): "
+             f"{len(result.records)} steps, each the median of its {REPEATS} repeats "
+             f"({result.num_contended} repeats' steps left out as contended)",
              transfer_note, "request_overhead_s: a sweep has no HTTP hop or router; left at 0"]
     limits = EngineLimits(block_size=settings.block_size, num_kv_blocks=pool_blocks or engine.block_manager.num_blocks,
                           max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens,
