@@ -149,8 +149,8 @@ def _sweep(model: Path, device: str, dtype: str, threads: int, max_points: int |
                   console=Console(stderr=True), disable=quiet, auto_refresh=False) as progress:
         task = progress.add_task("sweep", total=None)
         return from_sweep(model, device, dtype, threads, max_points,
-                          on_grid=lambda n: progress.update(task, total=n, refresh=True),
-                          on_point=lambda done, total: progress.update(task, completed=done, refresh=True))
+                          on_point=lambda done, total: progress.update(task, completed=done, total=total,
+                                                                       refresh=True))
 
 
 def _print_summary(c, path: Path) -> None:

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from workers.engine.llm_engine import LLMEngine
 
 DECODE_STEPS = 16  # tokens each decode point's sequences generate
-REPEATS = 3  # each point runs this many times (different prompts)
+REPEATS = 5  # recorded passes over the grid (the same lengths, other token ids)
 CHUNK_LENS = (16, 32, 64, 128, 256, 512, 1024)
 CONTEXTS = (0, 128, 512, 2048)
 BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -122,26 +122,33 @@ def run_sweep(engine: LLMEngine, points: list[SweepPoint], seed: int = 0, on_poi
               check_contention: bool = True) -> SweepResult:
     """Run every point on an idle engine and keep, per step, a typical record of it.
 
-    Each point runs once unrecorded first (a shape's first steps pay one-time costs), then
-    `REPEATS` times with the same shapes (other token ids, so the prefix cache does not
-    help), and each step keeps the record of median time among its repeats: a burst of
-    another process on this machine lands in one repeat, not in the profile. A first
+    The grid runs `REPEATS + 1` times over, the first pass unrecorded (a shape's first
+    steps pay one-time costs). A point runs the same lengths in every pass (other token
+    ids, so the prefix cache does not help), and each of its steps keeps the record of
+    median time among the passes: the passes are seconds apart, so a stretch of work by
+    another process on this machine slows one pass of a point, not the profile. A first
     small request wakes the model (lazy initialisation, allocator growth). With
     `check_contention` (a CPU engine on one torch thread: the whole step runs on the
-    calling thread), a repeat's step whose thread ran on a core for less than
+    calling thread), a pass's step whose thread ran on a core for less than
     `MIN_CPU_SHARE` of its wall time does not count either: another process had the
-    core. (A live deployment's records keep their contention: it is the deployment's.)"""
+    core. (A live deployment's records keep their contention: it is the deployment's.)
+    `on_point(done, total)` counts point runs over all passes."""
     rng = random.Random(seed)
     sweeper = _Sweeper(engine, rng, check_contention)
     sweeper.run_requests([(engine.layout.block_size, 2)])
-    result = SweepResult()
-    for i, point in enumerate(points):
-        shape_seed = rng.randrange(1 << 30)
-        sweeper.run_point(point, shape_seed)
-        result.add_point([sweeper.run_point(point, shape_seed) for _ in range(REPEATS)])
+    shape_seeds = [rng.randrange(1 << 30) for _ in points]
+    runs: list[list[list[tuple[StepRecord, bool]]]] = [[] for _ in points]
+    total = (REPEATS + 1) * len(points)
+    for done, (repeat, i) in enumerate(((r, i) for r in range(REPEATS + 1) for i in range(len(points))), 1):
+        steps = sweeper.run_point(points[i], shape_seeds[i])
+        if repeat:
+            runs[i].append(steps)
         if on_point is not None:
-            on_point(i + 1, len(points))
+            on_point(done, total)
     engine.step_records.clear()
+    result = SweepResult()
+    for point_runs in runs:
+        result.add_point(point_runs)
     return result
 
 
