@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,11 @@ from cluster.plan.sim.config import SimConfig
 from cluster.plan.sim.simulator import simulate
 
 ATTAINMENT = 0.9  # the share of requests that must meet both objectives
+# A run shorter than this builds no queue: at a high rate `num_requests` arrive in a
+# moment and drain before the backlog shows, so a run lasts at least this long on the
+# simulated clock (with at most MAX_REQUESTS_X times `num_requests`).
+MIN_SIM_S = 60.0
+MAX_REQUESTS_X = 10
 
 
 @dataclass(frozen=True)
@@ -40,11 +46,15 @@ class Workload:
     def is_trace(self) -> bool:
         return self.name.endswith(".jsonl")
 
+    def count_at(self, rate: float) -> int:
+        """Requests for one run at `rate`: `num_requests`, or enough for `MIN_SIM_S`."""
+        return int(min(max(self.num_requests, math.ceil(rate * MIN_SIM_S)), MAX_REQUESTS_X * self.num_requests))
+
     def arrivals(self, rate: float) -> list[Arrival]:
         if self.is_trace:
             arrivals = _trace_at_rate(from_trace(self.name, seed=self.seed)[: self.num_requests], rate)
         else:
-            arrivals = at_rate(self.name, rate, self.num_requests, self.seed)
+            arrivals = at_rate(self.name, rate, self.count_at(rate), self.seed)
         return scale_prompts(arrivals, self.prompt_factor) if self.prompt_factor != 1.0 else arrivals
 
     def with_prompts(self, factor: float) -> Workload:

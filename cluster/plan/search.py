@@ -23,7 +23,8 @@ HEADROOM = 0.85  # the requested rate at most this share of the recommendation's
 TOP_K = 5
 SENSITIVITY = 0.2  # rate and prompt length, each this much either way
 PAYS_MARGIN = 1.05  # disaggregation pays where its goodput is this much above colocated's
-PAYS_RATES = (0.25, 0.5, 1.0, 1.5, 2.0)  # x the requested rate
+PAYS_RATES = (0.5, 1.0, 1.5, 2.0)  # x the requested rate, and up to past the saturation rates
+GOODPUT_TIE = 0.01  # goodputs this close are equal: saturation decides
 GROWTH = 1.25  # replica counts tried when nothing meets: N x GROWTH^k ...
 MAX_GROWTH = 8.0  # ... up to this many times N
 
@@ -84,15 +85,19 @@ def _first(points: list[PlanPoint], keep: Callable[[PlanPoint], bool]) -> PlanPo
 
 
 def _recommend(report: PlanReport) -> tuple[PlanPoint | None, str | None]:
+    """Among the options that meet the SLO with headroom and come within `GOODPUT_TIE` of
+    the best goodput, the one with the highest saturation rate (at low load every option
+    serves every request; the one that would take the most growth is the better buy)."""
     meeting = [p for p in report.points if p.meets]
     if not meeting:
         return None, "no configuration meets the SLO at this rate"
-    for p in meeting:
-        sat = report.saturation_of(p.option)
-        if sat is not None and report.rate <= HEADROOM * sat:
-            return p, None
-    return None, (f"configurations meet the SLO at this rate, but none with the rate at most {HEADROOM:.0%} of "
-                  "its saturation rate")
+    roomy = [p for p in meeting if (sat := report.saturation_of(p.option)) is not None and report.rate <= HEADROOM * sat]
+    if not roomy:
+        return None, (f"configurations meet the SLO at this rate, but none with the rate at most {HEADROOM:.0%} of "
+                      "its saturation rate")
+    top = max(p.goodput_per_replica for p in roomy)
+    close = [p for p in roomy if p.goodput_per_replica >= (1.0 - GOODPUT_TIE) * top]
+    return max(close, key=lambda p: report.saturation_of(p.option)), None
 
 
 def sensitivity(evaluate: Evaluator, option: PlanOption, rate: float) -> dict[str, PlanPoint]:
@@ -104,17 +109,19 @@ def sensitivity(evaluate: Evaluator, option: PlanOption, rate: float) -> dict[st
 
 
 def disaggregation_pays(evaluate: Evaluator, report: PlanReport) -> dict:
-    """Colocated against the best disaggregated option, over rates around the requested one."""
+    """Colocated against the disaggregated option that saturates last (the best ranked
+    when none has a saturation rate), at rates around the requested one and up to past
+    both saturation rates."""
     colocated = _first(report.points, lambda p: not p.option.disaggregated)
-    split = _first(report.points, lambda p: p.option.disaggregated)
-    if colocated is None or split is None:
+    splits = [p for p in report.points if p.option.disaggregated]
+    if colocated is None or not splits:
         return {"pays": None, "from_rate": None, "by_rate": [],
                 "sentence": "Only one kind of configuration was planned: nothing to compare."}
+    split = max(splits, key=lambda p: report.saturation_of(p.option) or 0.0)
     by_rate = []
-    for x in PAYS_RATES:
-        r = report.rate * x
-        c = colocated if x == 1.0 else evaluate(colocated.option, r)
-        s = split if x == 1.0 else evaluate(split.option, r)
+    for r in _pays_rates(report, colocated, split):
+        c = colocated if r == report.rate else evaluate(colocated.option, r)
+        s = split if r == report.rate else evaluate(split.option, r)
         pays = s.goodput_rps >= PAYS_MARGIN * c.goodput_rps or (s.meets and not c.meets)
         by_rate.append({"rate": round(r, 4), "colocated_goodput_rps": c.goodput_rps, "colocated_meets": c.meets,
                         "disaggregated_goodput_rps": s.goodput_rps, "disaggregated_meets": s.meets, "pays": pays})
@@ -122,23 +129,32 @@ def disaggregation_pays(evaluate: Evaluator, report: PlanReport) -> dict:
     pays_here = next(row["pays"] for row in by_rate if row["rate"] == round(report.rate, 4))
     return {"pays": pays_here, "from_rate": from_rate, "colocated": colocated.option.name,
             "disaggregated": split.option.name, "by_rate": by_rate,
-            "sentence": _pays_sentence(report, colocated, split, pays_here, from_rate)}
+            "colocated_saturation_rate": report.saturation_of(colocated.option),
+            "disaggregated_saturation_rate": report.saturation_of(split.option),
+            "sentence": _pays_sentence(report, colocated, split, pays_here, from_rate, by_rate[-1]["rate"])}
+
+
+def _pays_rates(report: PlanReport, colocated: PlanPoint, split: PlanPoint) -> list[float]:
+    rates = {report.rate * x for x in PAYS_RATES}
+    sats = [s for s in (report.saturation_of(colocated.option), report.saturation_of(split.option)) if s]
+    for sat in sats:
+        rates |= {sat * 0.9, sat * 1.1}
+    return sorted(rates)
 
 
 def _pays_sentence(report: PlanReport, colocated: PlanPoint, split: PlanPoint, pays: bool,
-                   from_rate: float | None) -> str:
+                   from_rate: float | None, top: float) -> str:
     w, r = report.workload, report.rate
     if pays:
         gain = split.goodput_rps / colocated.goodput_rps - 1.0 if colocated.goodput_rps > 0 else float("inf")
         gain_text = f"{gain:+.0%} goodput" if gain != float("inf") else "goodput where colocated has none"
-        since = f", from about {from_rate:g} req/s on" if from_rate is not None and from_rate < r else ""
+        since = f", from about {from_rate:.3g} req/s on" if from_rate is not None and from_rate < r else ""
         return (f"Disaggregation pays for {w} at {r:g} req/s: {split.option.name} has {gain_text} over "
                 f"{colocated.option.name}{since}.")
     if from_rate is not None:
         return (f"Disaggregation does not pay for {w} at {r:g} req/s ({colocated.option.name} does as well); "
-                f"it pays from about {from_rate:g} req/s on ({split.option.name}).")
-    top = max(PAYS_RATES) * r
-    return (f"Disaggregation does not pay for {w} at any rate up to {top:g} req/s: "
+                f"it pays from about {from_rate:.3g} req/s on ({split.option.name}).")
+    return (f"Disaggregation does not pay for {w} at any rate up to {top:.3g} req/s: "
             f"{colocated.option.name} does as well as or better than {split.option.name}.")
 
 
