@@ -2,9 +2,9 @@
 on this machine on first use, then read from a cache.
 
 The cache file's name is a hash of everything that would change the sweep's result: the
-preset and its weight seed, pdcluster's version and a digest of the engine's source
-(`workers/engine/*.py`: a change to a step's code changes its cost), the device, the
-dtype and the torch thread count. The cache lives under `$PDC_CACHE_DIR`, else
+preset and its weight seed, pdcluster's version, a digest of the engine's source
+(`workers/engine/*.py`: a change to a step's code changes its cost) and of the sweep's
+own code, the device, the dtype and the torch thread count. The cache lives under `$PDC_CACHE_DIR`, else
 `~/.cache/pdcluster/`, beside the embedded models. Concurrent first uses sweep once
 (a file lock).
 """
@@ -30,11 +30,15 @@ def cache_dir() -> Path:
 
 
 def engine_source_digest() -> str:
-    """A digest of the engine's source files, so an engine change recalibrates."""
+    """A digest of the engine's source files and the sweep's own, so a change to either
+    recalibrates."""
     import workers.engine
 
+    here = Path(__file__).parent
+    files = [*sorted(Path(workers.engine.__file__).parent.glob("*.py")),
+             *(here / name for name in ("sweep.py", "sweep_source.py", "fit.py"))]
     h = hashlib.blake2b(digest_size=8)
-    for path in sorted(Path(workers.engine.__file__).parent.glob("*.py")):
+    for path in files:
         h.update(path.name.encode() + b"\0" + path.read_bytes())
     return h.hexdigest()
 
