@@ -67,9 +67,13 @@ def _write(args: PlanArgs, report: PlanReport, calibration: Calibration, data: d
     plot_rate(report, args.slo, files["rate_plot"])
     chosen = report.recommendation or report.points[0]
     files["config"] = out / ("recommended.yaml" if report.recommendation else "best_not_meeting_slo.yaml")
+    config = cluster_config(chosen.option, args.slo, calibration, args.model_path)
     header = (f"pdcluster plan: {chosen.option.name} for {args.workload.name} at {args.rate:g} req/s, "
               f"SLO {args.slo.as_dict()}\n" + "\n".join(summary_lines(report)))
-    write_config(cluster_config(chosen.option, args.slo, calibration, args.model_path), files["config"], header)
+    if config.model.path is not None and not Path(config.model.path).is_absolute():
+        header += (f"\nmodel.path is the calibration's model name ({config.model.path}): point it at the model "
+                   "folder, or plan with --model-path")
+    write_config(config, files["config"], header)
     named = {k: str(v) for k, v in files.items()}
     files["report"].write_text(json.dumps({**data, "files": named}, indent=2) + "\n")
     return named

@@ -121,7 +121,7 @@ def cluster_config(option: PlanOption, slo: SLO, calibration: Calibration, model
     model = ModelConfig(path=model_path or calibration.model, dtype=_dtype(calibration.dtype))
     preset = PRESET_NAME.fullmatch(calibration.model)
     if model_path is None and preset is not None:  # an embedded model, as the default calibration names it
-        model = ModelConfig(preset=preset["preset"], seed=int(preset["seed"] or 0), dtype=_dtype(calibration.dtype))
+        model = ModelConfig(preset=preset["preset"], seed=int(preset["seed"]), dtype=_dtype(calibration.dtype))
     profile_slo = ProfileSLO(ttft_ms=slo.ttft_ms, tpot_ms=slo.tpot_ms)
     return ClusterConfig(
         model=model,
@@ -135,7 +135,7 @@ def cluster_config(option: PlanOption, slo: SLO, calibration: Calibration, model
     )
 
 
-PRESET_NAME = re.compile(r"(?P<preset>tiny|small)(?:-seed(?P<seed>\d+))?")
+PRESET_NAME = re.compile(r"(?P<preset>tiny|small)-seed(?P<seed>\d+)")  # as the default calibration names them
 
 
 def _dtype(dtype: str) -> str:
