@@ -98,9 +98,10 @@ def calibrate_cmd(
                                    "`loadtest --save-steps` writes one."),
     model: Path | None = typer.Option(None, help="Model folder: with neither --url nor --run, sweep the engine "
                                       "on it here; otherwise only its layers and KV size are read."),
-    device: str = typer.Option("cpu", help="cpu or cuda: the sweep's device (live/run: used only where the "
-                               "deployment does not report it)."),
-    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
+    device: str | None = typer.Option(None, help="cpu or cuda: the sweep's device (default cpu); live/run: "
+                                      "used only where the deployment did not report it."),
+    dtype: str | None = typer.Option(None, help="float32 (the sweep's default), bfloat16 or float16; live/run: "
+                                     "used only where the deployment did not report it."),
     threads: int = typer.Option(1, min=1, help="Sweep: torch threads (a pool's default torch_threads is 1)."),
     max_points: int | None = typer.Option(None, min=3, help="Sweep: at most this many grid points."),
     block_size: int | None = typer.Option(None, min=1, help="Run/live: where the deployment did not report it."),
@@ -127,7 +128,7 @@ def calibrate_cmd(
         elif run:
             calibration = from_runs(run, overrides)
         else:
-            calibration = _sweep(model, device, dtype, threads, max_points, quiet=as_json)
+            calibration = _sweep(model, device or "cpu", dtype or "float32", threads, max_points, quiet=as_json)
     except (CalibrationError, AdminError, FileNotFoundError, ValueError) as e:
         _fail(str(e))
     path = calibration.save(out or DEFAULT_OUT_DIR / f"calibration-{calibration.model}-{calibration.source}.json")
