@@ -13,6 +13,8 @@ import pytest
 from typer.testing import CliRunner
 
 from cluster.cli import app
+from cluster.loadtest.client import RequestRecord
+from cluster.loadtest.report import _ms_row
 from cluster.plan.calibrate import CalibrationError, Overrides, from_records, from_runs
 from cluster.plan.calibration import Calibration
 from cluster.plan.fit import HOLD_OUT_EVERY, fit_and_score, split_held_out
@@ -99,10 +101,10 @@ def _run_dir(tmp_path, with_requests: bool = True):
         for i in range(12):
             route, prompt_len = ("disagg", "local")[i % 2], 100 + 50 * i
             ttft = engine_ttft_s(prompt_len, route, step, transfer, 512, 512) + 0.007
-            rows.append({"sent_at_s": at, "ttft_s": ttft, "ended_at_s": at + ttft + 0.05, "ok": True,
-                         "route": route, "prompt_tokens": prompt_len})
-            at += ttft + 0.1
-        (tmp_path / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            rows.append(RequestRecord(i, f"r{i}", "w", None, sent_at_s=at, ended_at_s=at + ttft + 0.05, ttft_s=ttft,
+                                      e2e_s=ttft + 0.05, route=route, prompt_tokens=prompt_len))
+            at += ttft + 0.05  # the next is sent as this one ends: none overlaps another
+        (tmp_path / "requests.jsonl").write_text("".join(json.dumps(_ms_row(r)) + "\n" for r in rows))
     return records
 
 

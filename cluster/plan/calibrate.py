@@ -75,7 +75,7 @@ def from_runs(run_dirs: Sequence[str | Path], overrides: Overrides = Overrides()
 
 
 def from_records(records: RecordSet, source: Source, overrides: Overrides, origin: str,
-                 requests: Sequence[list[dict]] = ()) -> Calibration:
+                 requests: Sequence[list] = ()) -> Calibration:
     """Fit and score on `records`; limits and model facts from the deployment's report,
     then `overrides`, then the defaults (named in the notes)."""
     if not records.steps:
@@ -133,7 +133,7 @@ def _reporting_replica(replicas: dict) -> dict:
     return ranked[0] if ranked else {}
 
 
-def _overhead(requests: Sequence[list[dict]], step, transfer, limits: EngineLimits, notes: list[str]) -> float:
+def _overhead(requests: Sequence[list], step, transfer, limits: EngineLimits, notes: list[str]) -> float:
     rows = [r for run in requests for r in run]
     if not rows:
         notes.append("request_overhead_s: no requests.jsonl with the records, left at 0")

@@ -13,10 +13,10 @@ gives None: the caller leaves the overhead at 0 and says so.
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 
+from cluster.loadtest.client import RequestRecord
 from cluster.plan.calibration import StepModel, TransferModel
 from workers.engine.cost_model import StepFeatures, prefill_work
 
@@ -24,23 +24,23 @@ REQUESTS_FILE = "requests.jsonl"
 MIN_IDLE_REQUESTS = 3  # fewer: no estimate
 
 
-def read_requests(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / REQUESTS_FILE
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def read_requests(run_dir: str | Path) -> list[RequestRecord]:
+    """The run's `requests.jsonl` as the load tester's records (none when it has no such file)."""
+    from cluster.loadtest.report import read_records
+
+    return read_records(Path(run_dir)) if (Path(run_dir) / REQUESTS_FILE).exists() else []
 
 
-def idle_requests(rows: list[dict]) -> list[dict]:
+def idle_requests(records: list[RequestRecord]) -> list[RequestRecord]:
     """Completed requests that no other request overlapped between their send and their
     first token."""
-    done = [r for r in rows if r.get("ok", r.get("error_kind") is None) and r.get("ttft_s") is not None]
-    spans = [(r["sent_at_s"], r["ended_at_s"]) for r in rows if r.get("ended_at_s")]
+    spans = [(r.sent_at_s, r.ended_at_s) for r in records if r.ended_at_s]
     alone = []
-    for r in done:
-        start, first = r["sent_at_s"], r["sent_at_s"] + r["ttft_s"]
-        overlapping = sum(1 for s, e in spans if s < first and e > start)
-        if overlapping <= 1:  # itself
+    for r in records:
+        if not r.ok or r.ttft_s is None:
+            continue
+        start, first = r.sent_at_s, r.sent_at_s + r.ttft_s
+        if sum(1 for s, e in spans if s < first and e > start) <= 1:  # itself
             alone.append(r)
     return alone
 
@@ -57,15 +57,12 @@ def engine_ttft_s(prompt_len: int, route: str | None, step: StepModel, transfer:
     return prefill + t.fixed_s + prompt_len * kv_bytes_per_token / t.bytes_per_s
 
 
-def request_overhead_s(rows: list[dict], step: StepModel, transfer: TransferModel, chunk: int,
+def request_overhead_s(records: list[RequestRecord], step: StepModel, transfer: TransferModel, chunk: int,
                        kv_bytes_per_token: int) -> tuple[float | None, int]:
     """(median overhead in seconds or None, how many idle requests it is over)."""
-    alone = idle_requests(rows)
+    alone = idle_requests(records)
     if len(alone) < MIN_IDLE_REQUESTS:
         return None, len(alone)
-    gaps = []
-    for r in alone:
-        prompt_len = r.get("prompt_tokens") or r.get("target_prompt_len") or 1
-        gaps.append(r["ttft_s"] - engine_ttft_s(prompt_len, r.get("route"), step, transfer, chunk,
-                                                kv_bytes_per_token))
+    gaps = [r.ttft_s - engine_ttft_s(r.prompt_tokens or r.target_prompt_len or 1, r.route, step, transfer, chunk,
+                                     kv_bytes_per_token) for r in alone]
     return max(0.0, statistics.median(gaps)), len(alone)
