@@ -58,8 +58,13 @@ class ReplicaInfo:
 
     @property
     def load(self) -> int:
+        """Running + waiting, read once per stats dict (a heartbeat's stats are replaced,
+        never changed in place; placement reads this per replica per request)."""
         s = self.stats
-        return int(s.get("num_running", 0)) + int(s.get("num_waiting", 0))
+        cached = self.__dict__.get("_load")
+        if cached is None or cached[0] is not s:
+            cached = self.__dict__["_load"] = (s, int(s.get("num_running", 0)) + int(s.get("num_waiting", 0)))
+        return cached[1]
 
     @property
     def queue_len(self) -> int:
@@ -82,6 +87,7 @@ class ClusterView:
         # (route, replica that prefills): placements waiting for their first token, oldest first
         self.waiting: dict[tuple[str, str], deque[Placement]] = {}
         self.excluded: set[str] = set()  # replicas that just failed a call, until the next update
+        self._healthy: dict[tuple[str, int], tuple[dict, list[ReplicaInfo]]] = {}
         self.index = PrefixIndex(prefix_capacity_blocks)
         self.backlog_work: Counter[str] = Counter()  # their attention work (router/predict.py)
         self.since: dict[str, _Since] = {}  # per replica: this router's prompts since its last heartbeat
@@ -171,8 +177,15 @@ class ClusterView:
         return replica.extra.get("stream_address") if replica is not None else None
 
     def healthy(self, role: str) -> list[ReplicaInfo]:
-        return [r for r in self.replicas.values()
-                if r.role == role and r.healthy and r.replica_id not in self.excluded]
+        """The role's healthy replicas not excluded; kept until the next `update` or
+        exclusion (placement asks per request)."""
+        key = (role, len(self.excluded))
+        cached = self._healthy.get(key)
+        if cached is None or cached[0] is not self.replicas:
+            cached = (self.replicas, [r for r in self.replicas.values()
+                                      if r.role == role and r.healthy and r.replica_id not in self.excluded])
+            self._healthy[key] = cached
+        return cached[1]
 
     def overdue(self, role: str) -> list[ReplicaInfo]:
         """Replicas unhealthy only because their heartbeat is late (the last one said
