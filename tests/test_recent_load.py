@@ -33,6 +33,12 @@ def test_the_gap_is_weighted_by_streams_and_the_batch_by_time():
     assert load.decode_seqs == pytest.approx((10 * 0.02 * 2 + 10 * 0.05 * 6) / (10 * 0.02 + 10 * 0.05))
 
 
+def test_steps_that_prefill_are_left_out():
+    records = [step(10.0 + 0.02 * i, 4, prefill=256 if i % 2 else 0) for i in range(4 * MIN_STEPS + 1)]
+    load = recent_load(records, now=records[-1].start_time)
+    assert load.num_steps == 2 * MIN_STEPS and load.stream_gap_s == pytest.approx(0.02)
+
+
 def test_old_steps_pauses_and_prefill_only_steps_are_left_out():
     old = [step(0.0 + 0.01 * i, 1) for i in range(50)]
     now = 100.0

@@ -1,5 +1,6 @@
-"""What the streams on this replica saw lately: the mean gap between their tokens and
-the decode batch they shared, over the last `WINDOW_S` of step records.
+"""What the streams on this replica saw lately in steps that only decode: the mean gap
+between their tokens and the decode batch they shared, over the last `WINDOW_S` of step
+records.
 
 A request's TPOT is its mean gap over tens of steps, during which streams come and go
 and prompts arriving after it prefill beside it. The replica's state at the moment a
@@ -8,7 +9,11 @@ TPOT predicted each request's TPOT better than the state did); the recent past o
 same replica says more, and still follows a change of load within the window. The gap
 is measured start to start between consecutive steps that decode, so the time between
 steps (scheduling, streaming tokens out) counts as the streams see it; a pause longer
-than `MAX_GAP_S` (an engine that stopped) is left out.
+than `MAX_GAP_S` (an engine that stopped) is left out. Steps that also computed prompt
+tokens are left out too: the predictions price a prefill beside streams from the queue
+they see, and a one-off long prefill of the last 10 s counted here as well made every
+later stream's gap look several times longer than it was (a quiet bench run predicted
+100-140 ms for short requests that decoded at 45-90 ms).
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ def recent_load(records: Sequence[StepRecord], now: float, window_s: float = WIN
     for record in reversed(records):
         if record.start_time < now - window_s:
             break
-        if later is not None and record.num_decode_seqs > 0:
+        if later is not None and record.num_decode_seqs > 0 and record.num_prefill_tokens == 0:
             gap = later.start_time - record.start_time
             if 0.0 < gap <= MAX_GAP_S:
                 seq_gap += gap * record.num_decode_seqs
