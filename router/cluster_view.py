@@ -87,6 +87,9 @@ class ClusterView:
         # (route, replica that prefills): placements waiting for their first token, oldest first
         self.waiting: dict[tuple[str, str], deque[Placement]] = {}
         self.excluded: set[str] = set()  # replicas that just failed a call, until the next update
+        # of `backlog`, this router's background prefills (foreground prompts go first)
+        self.background_backlog: Counter[str] = Counter()
+        self.background_backlog_work: Counter[str] = Counter()
         self._healthy: dict[tuple[str, int], tuple[dict, list[ReplicaInfo]]] = {}
         self.index = PrefixIndex(prefix_capacity_blocks)
         self.backlog_work: Counter[str] = Counter()  # their attention work (router/predict.py)
@@ -125,6 +128,8 @@ class ClusterView:
             base,
             queue_tokens=max(self.backlog.get(rid, 0), base.queue_tokens + since.sent_tokens - since.done_tokens),
             queue_work=max(self.backlog_work.get(rid, 0), base.queue_work + since.sent_work - since.done_work),
+            background_tokens=max(self.background_backlog.get(rid, 0), base.background_tokens),
+            background_work=max(self.background_backlog_work.get(rid, 0), base.background_work),
             num_streams=decoding + incoming, stream_context=int(context),
             num_requests=self.load(replica), stream_tpot_slo_s=min(slos) if slos else None,
             overdue=self.overdue_of(rid, now) if now is not None else {})
@@ -215,6 +220,9 @@ class ClusterView:
             self.backlog[placement.prefill_on] += placement.prefill_tokens
             self.backlog_work[placement.prefill_on] += placement.prefill_work
             self._since(placement.prefill_on).sent(placement.prefill_tokens, placement.prefill_work)
+            if placement.decision.yield_prefill:
+                self.background_backlog[placement.prefill_on] += placement.prefill_tokens
+                self.background_backlog_work[placement.prefill_on] += placement.prefill_work
         if placement.target_replica:
             self.awaiting_first[placement.target_replica] += placement.num_sequences
             if _prefills_elsewhere(placement):
@@ -254,6 +262,9 @@ class ClusterView:
             self._drop_answered((placement.decision.route, placement.prefill_on))
             _decrement(self.backlog, placement.prefill_on, placement.prefill_tokens)
             _decrement(self.backlog_work, placement.prefill_on, placement.prefill_work)
+            if placement.decision.yield_prefill:
+                _decrement(self.background_backlog, placement.prefill_on, placement.prefill_tokens)
+                _decrement(self.background_backlog_work, placement.prefill_on, placement.prefill_work)
             self._since(placement.prefill_on).done(placement.prefill_tokens, placement.prefill_work)
         if placement.target_replica:
             _decrement(self.awaiting_first, placement.target_replica, placement.num_sequences)

@@ -128,15 +128,20 @@ class _Prefill:
     step_s: float  # their mean time
 
 
-def _prefill(r: ReplicaLoad, start: int, end: int) -> _Prefill:
-    """The queue, then [start, end), in chunks of what the streams leave of the budget."""
+def _prefill(r: ReplicaLoad, start: int, end: int, foreground: bool = False) -> _Prefill:
+    """The queue, then [start, end), in chunks of what the streams leave of the budget; a
+    `foreground` prompt goes before the background prefills queued there."""
+    queue_tokens, queue_work = r.queue_tokens, r.queue_work
+    if foreground:
+        queue_tokens = max(0, queue_tokens - r.background_tokens)
+        queue_work = max(0, queue_work - r.background_work)
     budget = max(1, r.chunk_tokens - r.num_streams)
     own_chunks, own_tokens, own_work = prefill_work(start, end, budget)
-    steps = math.ceil(r.queue_tokens / budget) + own_chunks
+    steps = math.ceil(queue_tokens / budget) + own_chunks
     c = r.coefficients
     per_step = c.fixed_s + c.decode_seq_s * r.num_streams + c.decode_context_s * r.stream_context
-    seconds = (steps * per_step + c.prefill_token_s * (r.queue_tokens + own_tokens)
-               + c.prefill_attention_s * (r.queue_work + own_work))
+    seconds = (steps * per_step + c.prefill_token_s * (queue_tokens + own_tokens)
+               + c.prefill_attention_s * (queue_work + own_work))
     return _Prefill(seconds, steps, seconds / steps if steps else 0.0)
 
 
@@ -159,7 +164,7 @@ def _own_tpot(req: RequestShape, d: ReplicaLoad, queue_steps_left: float, busy_s
 
 def remote(req: RequestShape, p: ReplicaLoad, d: ReplicaLoad, prefill_cached: int, decode_cached: int) -> Candidate:
     """Prefill on `p`, decode on `d`."""
-    prefill = _prefill(p, _start(req, prefill_cached), req.prompt_len)
+    prefill = _prefill(p, _start(req, prefill_cached), req.prompt_len, foreground=True)
     num_bytes = max(0, req.prompt_len - _start(req, decode_cached)) * d.kv_bytes_per_token
     link = p.transfer_to(d.address)
     tail = link.fixed_s + num_bytes / link.bytes_per_s
@@ -178,7 +183,7 @@ def remote(req: RequestShape, p: ReplicaLoad, d: ReplicaLoad, prefill_cached: in
 def local(req: RequestShape, d: ReplicaLoad, cached: int) -> Candidate:
     """Prefill on `d` in the foreground, behind its queue (from the next step boundary),
     then decode there."""
-    prefill = _prefill(d, _start(req, cached), req.prompt_len)
+    prefill = _prefill(d, _start(req, cached), req.prompt_len, foreground=True)
     tpot = _own_tpot(req, d, 0, 0.0)
     streams = _streams_tpot(d, prefill.steps, prefill.step_s, _gap_with(req, d))
     ttft = prefill.seconds + 0.5 * current_step_s(d)
@@ -226,7 +231,7 @@ def background(req: RequestShape, d: ReplicaLoad, cached: int, stream_tpot_slo_s
 
 def whole(req: RequestShape, p: ReplicaLoad, cached: int) -> Candidate:
     """Prefill and decode on the prefill replica `p` (which has no streams of its own)."""
-    prefill = _prefill(p, _start(req, cached), req.prompt_len)
+    prefill = _prefill(p, _start(req, cached), req.prompt_len, foreground=True)
     tpot = _own_tpot(req, p, 0, 0.0)
     ttft = prefill.seconds + 0.5 * current_step_s(p)
     return Candidate("whole", p.replica_id, p.replica_id, Prediction(ttft, tpot, 0.0),

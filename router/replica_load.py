@@ -25,6 +25,9 @@ class ReplicaLoad:
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # the engine's token budget per step
     queue_tokens: int = 0  # prompt tokens waiting for compute ahead of a new request
     queue_work: int = 0  # their attention work (chunk tokens x context), in the engine's chunking
+    # of the queue, background prefills: a foreground prompt goes before them
+    background_tokens: int = 0
+    background_work: int = 0
     num_streams: int = 0  # sequences past their prompt, decoding
     stream_context: int = 0  # their context tokens, in total
     stream_tokens_left: float = 0.0  # tokens each stream still has to generate, on average
@@ -59,6 +62,8 @@ def from_stats(replica_id: str, role: str, stats: dict, address: str | None = No
         chunk_tokens=int(stats.get("max_num_batched_tokens", DEFAULT_CHUNK_TOKENS)),
         queue_tokens=int(stats.get("prompt_tokens_waiting", 0)),
         queue_work=int(stats.get("prompt_attention_waiting", 0)),
+        background_tokens=int(stats.get("background_tokens_waiting", 0)),
+        background_work=int(stats.get("background_attention_waiting", 0)),
         num_streams=streams, stream_context=int(stats.get("decode_context_tokens", 0)),
         stream_tokens_left=left,
         num_requests=int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0)),

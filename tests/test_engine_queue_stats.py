@@ -140,3 +140,33 @@ def test_prefill_chunk_tokens_travels_on_the_worker_stream():
     params = SamplingParams(max_tokens=4, yield_to_decode=True, prefill_chunk_tokens=24)
     req = GenerateRequest("r", [1, 2, 3], params, seed=7, route="local", reason=REASONS[0])
     assert request_from_wire(msgpack.unpackb(msgpack.packb(to_wire(req)))).params == params
+
+
+def test_background_prefills_are_reported_apart(make_engine):
+    engine = make_engine(max_num_batched_tokens=32)
+    engine.add_request("fg", random_prompts([40], seed=3)[0], greedy(2, ignore_eos=True))
+    bg_params = dataclasses.replace(greedy(2, ignore_eos=True), yield_to_decode=True)
+    engine.add_request("bg", random_prompts([90], seed=4)[0], bg_params)
+    stats = engine.stats()
+    assert stats["prompt_tokens_waiting"] == 130 and stats["background_tokens_waiting"] == 90
+    assert stats["background_attention_waiting"] == prefill_work(0, 90, 32)[2]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats()["background_tokens_waiting"] == 0
+
+
+def test_a_foreground_prompt_is_priced_before_the_background_work_queued_there():
+    from router import predict
+    from router.replica_load import ReplicaLoad
+
+    coefficients = StepCoefficients(0.005, 1e-4, 0.0, 5e-4, 0.0)
+    req = predict.RequestShape(prompt_len=200, max_tokens=8)
+    behind_background = ReplicaLoad("d1", "decode", coefficients, chunk_tokens=512, queue_tokens=4000,
+                                    background_tokens=4000)
+    idle = ReplicaLoad("d1", "decode", coefficients, chunk_tokens=512)
+    behind_foreground = dataclasses.replace(behind_background, background_tokens=0)
+    alone = predict.local(req, idle, 0).prediction.ttft_s
+    full_step = coefficients.fixed_s + coefficients.prefill_token_s * 512
+    # at most the background step in progress ahead of it, not the 4000 tokens
+    assert alone < predict.local(req, behind_background, 0).prediction.ttft_s <= alone + full_step
+    assert predict.local(req, behind_foreground, 0).prediction.ttft_s > 10 * alone

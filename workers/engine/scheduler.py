@@ -201,21 +201,27 @@ class Scheduler:
     def queue_stats(self) -> dict[str, int]:
         """The work queued here, for the router to predict this replica's steps with:
         what the prefilling sequences (running or waiting) must still compute before they
-        decode, in tokens and in attention work at full chunks, and what the decoding
+        decode, in tokens and in attention work at full chunks (and how much of it is
+        background prefills, which foreground prompts go before), and what the decoding
         ones attend to and may still generate."""
         seqs = self.running + self.waiting
         prefilling = [s for s in seqs if not s.is_decoding]
         decoding = [s for s in seqs if s.is_decoding]
+        background = [s for s in prefilling if _is_background(s)]
         return {
             "prompt_tokens_waiting": sum(s.num_uncomputed_tokens for s in prefilling),
-            "prompt_attention_waiting": sum(
-                prefill_work(s.num_computed_tokens, s.num_tokens, self.max_num_batched_tokens)[2]
-                for s in prefilling),
+            "prompt_attention_waiting": sum(self._waiting_work(s) for s in prefilling),
+            # of which background prefills, which every foreground prompt goes before
+            "background_tokens_waiting": sum(s.num_uncomputed_tokens for s in background),
+            "background_attention_waiting": sum(self._waiting_work(s) for s in background),
             "num_decoding": len(decoding),
             "decode_context_tokens": sum(s.num_tokens for s in decoding),
             "decode_tokens_remaining": sum(max(0, s.params.max_tokens - len(s.output_token_ids))
                                            for s in decoding),
         }
+
+    def _waiting_work(self, seq: Sequence) -> int:
+        return prefill_work(seq.num_computed_tokens, seq.num_tokens, self.max_num_batched_tokens)[2]
 
     def held_block_tables(self) -> list[list[int]]:
         return [s.block_ids for s in self.running + self.waiting]

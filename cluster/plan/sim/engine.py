@@ -417,6 +417,11 @@ class SimEngine:
             "prompt_tokens_waiting": self._wait_tokens + sum(s.num_uncomputed for s in prefilling),
             "prompt_attention_waiting": self._wait_work + sum(
                 prefill_work(s.num_computed, s.prompt_len, self.budget)[2] for s in prefilling),
+            "background_tokens_waiting": sum(s.num_uncomputed for s in self.backgrounds)
+            + sum(s.num_uncomputed for s in self.waiting if s.background),
+            "background_attention_waiting": sum(
+                prefill_work(s.num_computed, s.prompt_len, self.budget)[2]
+                for s in (*self.backgrounds, *(w for w in self.waiting if w.background))),
             "num_decoding": n_dec + len(self.ready),
             "decode_context_tokens": self.decoding.context(k) + ready_context,
             "decode_tokens_remaining": self.decoding.tokens_remaining(k) + sum(s.output_len for s in self.ready),
