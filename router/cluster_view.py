@@ -17,9 +17,10 @@ A request still prefilling on another replica already counts as a stream where i
 decode once its predicted first token is within `INCOMING_HORIZON_S` (or late): it joins
 that replica's batch inside the life of anything placed there now. One behind a long
 remote queue does not; counting it made an overloaded prefill pool look like streams on
-every decode replica, which pushed yet more prompts onto that queue. And a request still waiting for its first token
-past its predicted TTFT is evidence before it finishes: `load_of(replica, now)` reports,
-per route, how far past it the oldest one prefilling there is (`ReplicaLoad.overdue`), so
+every decode replica, which pushed yet more prompts onto that queue. And a request still
+waiting for its first token past its predicted TTFT is evidence before it finishes:
+`load_of(replica, now)` reports, per route, how far past it the oldest one prefilling
+there is (`ReplicaLoad.overdue`), so
 a path that stalls (a slowed link, a stuck replica) is priced as slow while its first
 victims are still waiting, not only once they complete.
 """
