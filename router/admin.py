@@ -24,7 +24,7 @@ from workers.stream.client import WorkerStreams
 MAX_NAME_LEN = 64
 DEFAULT_STEPS_LIMIT = 1000  # records of each kind per replica
 STEPS_TIMEOUT_S = 2.0  # a replica that has not answered by then is listed with an error
-ENGINE_STATS = ("kv_blocks_total", "max_num_batched_tokens", "kv_bytes_per_token")  # heartbeat keys /admin/steps repeats
+ENGINE_STATS = ("kv_blocks_total", "max_num_batched_tokens", "kv_bytes_per_token", "num_layers")  # heartbeat keys /admin/steps repeats
 
 
 def check_admin(authorization: str | None, token: str | None) -> None:

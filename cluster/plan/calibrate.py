@@ -109,7 +109,7 @@ def _limits(records: RecordSet, o: Overrides, told: _Told) -> EngineLimits:
     told.take("model", engine.get("model"), facts.name if facts else None, default="unknown")
     told.take("device", engine.get("device"), o.device, default="unknown")
     told.take("dtype", engine.get("dtype"), o.dtype, default="float32")
-    num_layers = told.take("num_layers", layers, facts.num_layers if facts else None)
+    num_layers = told.take("num_layers", replica.get("num_layers"), layers, facts.num_layers if facts else None)
     kv_bytes = told.take("kv_bytes_per_token", replica.get("kv_bytes_per_token"),
                          facts.kv_bytes_per_token if facts else None)
     if num_layers is None or kv_bytes is None:

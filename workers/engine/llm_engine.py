@@ -459,6 +459,7 @@ class LLMEngine:
             return self._counters() | self.scheduler.queue_stats() | (recent.to_stats() if recent else {}) | {
                 "step_model": self.cost_fit.coefficients.to_dict(),
                 "kv_bytes_per_token": self.kv_bytes_per_token,
+                "num_layers": self.layout.num_layers,
                 "max_num_batched_tokens": self.scheduler.max_num_batched_tokens,
             }
 
