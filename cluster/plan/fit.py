@@ -1,6 +1,13 @@
-"""Fit the step and transfer models on records, with the code the `auto` policy learns
-with online (`cost_model.fit_step_coefficients`, `transfer_cost.fit_transfer`), and
-score the step model on records it was not fitted on.
+"""Fit the step and transfer models on records and score the step model on records it
+was not fitted on.
+
+The step model is the `auto` policy's (`cost_model`: fixed + per prompt token + per unit
+of prefill attention + per decode sequence + per context token, all >= 0), fitted here
+on absolute step time rather than the policy's relative error: a simulator's queues and
+throughput follow the MEAN step time, and on a contended machine (a replica sharing its
+cores with others) step times scatter by several times with a long upper tail, which a
+relative-error fit answers with a prediction near the lower quartile. The transfer model
+is the policy's own fit (`transfer_cost.fit_transfer`).
 
 The held-out split is every `HOLD_OUT_EVERY`-th step with work, per replica in time
 order: the held-out records span the whole run (every batch size, every phase of the
@@ -15,13 +22,7 @@ import numpy as np
 
 from cluster.plan.calibration import FitQuality, StepModel, TransferModel
 from cluster.plan.records import ReplicaStep, ReplicaTransfer
-from workers.engine.cost_model import (
-    MIN_STEP_S,
-    StepCoefficients,
-    fit_step_coefficients,
-    has_work,
-    step_features,
-)
+from workers.engine.cost_model import MIN_STEP_S, StepCoefficients, has_work, nnls, step_features
 from workers.engine.step_cost import StepRecord
 from workers.engine.transfer_cost import DEFAULT_TRANSFER, fit_transfer
 
@@ -49,7 +50,17 @@ def fit_steps(records: Sequence[StepRecord]) -> StepCoefficients:
         raise ValueError("no step records with work to fit on")
     a = np.stack([step_features(r).row() for r in kept])
     t = np.array([r.step_time_s for r in kept])
-    return StepCoefficients.from_vector(fit_step_coefficients(a, t), len(kept))
+    return StepCoefficients.from_vector(nnls_mean(a, t), len(kept))
+
+
+def nnls_mean(a: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """c >= 0 minimising sum((a @ c - t)^2), columns scaled to unit norm (seconds per
+    step and per token solved on one footing); all-zero columns keep c = 0."""
+    norms = np.linalg.norm(a, axis=0)
+    used = norms > 0
+    c = np.zeros(a.shape[1])
+    c[used] = nnls(a[:, used] / norms[used], t) / norms[used]
+    return c
 
 
 def relative_errors(c: StepCoefficients, records: Sequence[StepRecord]) -> np.ndarray:
