@@ -62,6 +62,18 @@ def fetch_steps(url: str, token: str, since: float = 0.0, limit: int = POLL_LIMI
     return resp.json()
 
 
+def fetch_profiles(url: str, token: str, timeout_s: float = 30.0) -> dict:
+    """The workload profiles the router routes by (`GET /admin/workloads`): {name: profile}."""
+    url = url.rstrip("/")
+    try:
+        resp = httpx.get(f"{url}/admin/workloads", headers={"authorization": f"Bearer {token}"}, timeout=timeout_s)
+    except httpx.HTTPError as e:
+        raise AdminError(f"{url} is unreachable ({type(e).__name__}: {e})") from None
+    if resp.status_code != 200:
+        raise AdminError(f"{url}/admin/workloads: HTTP {resp.status_code} {resp.text[:200]}")
+    return resp.json().get("workloads", {})
+
+
 def fetch_records(url: str, token: str | None = None, since: float = 0.0) -> RecordSet:
     """Every replica's records now (the newest `POLL_LIMIT` of each kind, each replica)."""
     return from_admin_answer(fetch_steps(url, admin_token(token), since))
@@ -142,13 +154,17 @@ class StepsCollector:
 @contextlib.contextmanager
 def saving_steps(url: str, out_dir: str | Path, token: str | None = None) -> Iterator[StepsCollector]:
     """Collect the deployment's records for the duration of the block, then write
-    steps.jsonl, transfers.jsonl and deployment.json (with how the collection went)
-    into `out_dir`. Fails before the block on a bad URL or token."""
-    collector = StepsCollector(url, admin_token(token)).start()
+    steps.jsonl, transfers.jsonl and deployment.json (with how the collection went, and
+    the workload profiles the router routed by at the start) into `out_dir`. Fails
+    before the block on a bad URL or token."""
+    token = admin_token(token)
+    profiles = fetch_profiles(url, token)
+    collector = StepsCollector(url, token).start()
     try:
         yield collector
     finally:
         records = collector.stop()
+        records.deployment["workloads"] = profiles
         records.deployment["collection"] = {"poll_s": collector.poll_s, "num_polls": collector.num_polls,
                                             "num_gaps": collector.num_gaps, "last_error": collector.last_error}
         write_run_records(out_dir, records)

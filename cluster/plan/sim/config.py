@@ -4,7 +4,8 @@
 prefill replica is an all-colocated cluster), how many replicas share a node (and so its
 NIC), the workload profiles the router routes by (mode, thresholds, SLO, exactly
 `cluster.config.WorkloadProfile`), the router settings that shape its decisions, the
-heartbeat interval, an engine-limits override, and the seed. Everything else comes from
+heartbeat interval, an engine-limits override, the mode every request asks for in
+`x-pd-mode` (a load test's `--mode`), and the seed. Everything else comes from
 the calibration.
 """
 
@@ -32,6 +33,7 @@ class SimConfig:
     replicas_per_node: int = 8
     profiles: Mapping[str, WorkloadProfile] = field(default_factory=default_profiles)
     default_slo: SLO = field(default_factory=SLO)  # for profiles without one (`router.default_slo`)
+    forced_mode: str | None = None  # every request's `x-pd-mode`, honoured where its profile allows
     limits: EngineLimits | None = None  # None: the calibration's
     heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S
     poll_interval_s: float = _ROUTER.state_poll_interval_s  # how often the router reads the heartbeats
@@ -50,6 +52,8 @@ class SimConfig:
             raise ValueError("SimConfig: replicas_per_node must be >= 1")
         if self.heartbeat_interval_s <= 0 or self.poll_interval_s <= 0:
             raise ValueError("SimConfig: heartbeat_interval_s and poll_interval_s must be > 0")
+        if self.forced_mode not in (None, "auto", "threshold", "disagg", "local"):
+            raise ValueError(f"SimConfig: unknown forced_mode {self.forced_mode!r}")
         if "default" not in self.profiles:
             raise ValueError("SimConfig: profiles need a 'default' entry")
 

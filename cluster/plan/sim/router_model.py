@@ -19,7 +19,7 @@ from router.corrections import Corrections
 from router.learning import outcome_of
 from router.placement import Placement, PolicyInputs, place
 from router.policy import PLAIN
-from router.profiles import Profiles
+from router.profiles import Profiles, client_mode
 from router.routing import PolicySettings
 from workers.engine.transfer_cost import TransferCoefficients
 
@@ -51,8 +51,9 @@ class SimRouter:
         inputs = PolicyInputs(request_id, self.config.slo_of(profile), self.corrections.snapshot(), now,
                               self.settings)
         start = time.perf_counter()
-        placement = place(self.view, prompt_ids, max_tokens, profile, None, self.config.offload_local_to_prefill,
-                          PLAIN, inputs)
+        forced = client_mode(profile, self.config.forced_mode)
+        placement = place(self.view, prompt_ids, max_tokens, profile, forced,
+                          self.config.offload_local_to_prefill, PLAIN, inputs)
         self.view.begin(placement)
         self.decision_wall_s += time.perf_counter() - start
         self.num_decisions += 1
