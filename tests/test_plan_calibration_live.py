@@ -106,3 +106,38 @@ def test_the_live_source_and_its_errors(url, tmp_path, monkeypatch):
     result = runner.invoke(app, ["plan", "calibrate", "--url", url, "--out", str(tmp_path / "c.json"), "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout.strip().splitlines()[-1])["source"] == "live"
+
+
+def test_a_real_open_loop_run_replays_from_the_command_line(url, tmp_path):
+    from cluster.cli import app
+    from cluster.loadtest.api import run_loadtest
+    from cluster.loadtest.config import SLO, LoadTestConfig
+
+    out = tmp_path / "run"
+    summary = run_loadtest(LoadTestConfig(url=url, out_dir=out, workload="chat-short", rate=8.0, num_requests=24,
+                                          seed=5, slo=SLO(ttft_ms=2000, tpot_ms=200), plots=False,
+                                          save_steps=True, admin_token=TOKEN))
+    deployment = json.loads((out / "deployment.json").read_text())
+    assert deployment["workloads"]["default"]["mode"] == "threshold"  # what the router routed by
+    assert deployment["replicas"] and all(r["num_layers"] == 2 for r in deployment["replicas"].values())
+    result = CliRunner().invoke(app, ["plan", "validate", str(out), "--json", "--out", str(tmp_path / "v")])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout.strip().splitlines()[-1])
+    assert json.loads((tmp_path / "v" / "validation.json").read_text()) == data
+    [row] = data["runs"]
+    assert (row["deployment"], row["rate"], row["num_requests"]) == ("1P+1D", 8.0, 24)
+    figures = row["figures"]
+    assert figures["ttft_p50_ms"]["measured"] == summary.ttft_ms["p50"]
+    assert all(figures[k]["predicted"] is not None and figures[k]["predicted"] > 0
+               for k in ("ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "tpot_p50_ms", "throughput_rps"))
+    assert sum(row["routes"]["predicted"].values()) == 24
+    assert data["calibrations"]["1P+1D"]["source"] == "run"
+    # the same folder, printed as a table
+    table = CliRunner().invoke(app, ["plan", "validate", str(out), "--calibration", _calibration(out, tmp_path)])
+    assert table.exit_code == 0 and "ttft_p50_ms" in table.output
+
+
+def _calibration(run, tmp_path) -> str:
+    from cluster.plan.calibrate import from_runs
+
+    return str(from_runs([run]).save(tmp_path / "calibration.json"))

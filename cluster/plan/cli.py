@@ -138,6 +138,60 @@ def calibrate_cmd(
         _print_summary(calibration, path)
 
 
+@plan_app.command("validate")
+def validate_cmd(
+    runs: list[Path] = typer.Argument(..., help="Run folders (`loadtest --rate/--trace ... --save-steps`) and "
+                                      "saturation searches (folders with saturation.json, `bench plan`)."),
+    calibration: Path | None = typer.Option(None, help="A calibration file for every run (default: fitted "
+                                            "from the records of the runs on each deployment)."),
+    out: Path | None = typer.Option(None, help="Write validation.json here."),
+    as_json: bool = typer.Option(False, "--json", help="Print the validation as JSON on stdout."),
+) -> None:
+    """Replay real runs in the simulator and set its figures beside the measured ones:
+    TTFT p50/p90, ITL p50/p99, TPOT p50, throughput, goodput, saturation rate."""
+    from cluster.plan.calibrate import CalibrationError
+    from cluster.plan.calibration import Calibration
+    from cluster.plan.replay import ReplayError
+    from cluster.plan.validate import validate
+
+    log = (lambda _: None) if as_json else (lambda m: typer.echo(m, err=True))
+    try:
+        given = Calibration.load(calibration) if calibration is not None else None
+        data = validate(runs, given, log)
+    except (ReplayError, CalibrationError, FileNotFoundError, ValueError) as e:
+        _fail(str(e), "plan validate")
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "validation.json").write_text(json.dumps(data, indent=1) + "\n")
+    if as_json:
+        typer.echo(json.dumps(data))
+    else:
+        _print_validation(data)
+
+
+def _print_validation(data: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="predicted vs measured (error = predicted / measured - 1)")
+    for col in ("run", "figure", "measured", "predicted", "error"):
+        table.add_column(col)
+    for row in data["runs"]:
+        for figure, f in row["figures"].items():
+            table.add_row(Path(row["run"]).name, figure, _num(f["measured"]), _num(f["predicted"]), _num(f["error"]))
+    for s in data["searches"]:
+        table.add_row(Path(s["search"]).name, "saturation req/s", _num(s["measured"]["estimate"]),
+                      _num(s["predicted"]["rate"]), _num(s["error"]))
+    Console().print(table)
+    for workload, r in data["rankings"].items():
+        typer.echo(f"{workload}: measured {' > '.join(r['measured'])}, predicted {' > '.join(r['predicted'])}"
+                   f" ({'agree' if r['agree'] else 'DISAGREE'})")
+
+
+def _num(x) -> str:
+    return "-" if x is None else f"{x:.4g}"
+
+
 def _sweep(model: Path, device: str, dtype: str, threads: int, max_points: int | None, quiet: bool):
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
