@@ -36,7 +36,7 @@ def make_model_cmd(
 COMMAND_MODULES: tuple[str, ...] = (
     "cluster.serve_cli", "cluster.loadtest.cli", "cluster.local.demo", "cluster.bench.engine_cli",
     "cluster.bench.transport_cli", "cluster.bench.cluster", "cluster.bench.router_overhead_cli",
-    "cluster.bench.api_cli", "cluster.bench.policy_cli", "cluster.plan.cli",
+    "cluster.bench.api_cli", "cluster.bench.policy_cli", "cluster.bench.plan", "cluster.plan.cli",
 )
 
 
