@@ -4,7 +4,7 @@ Two deployments of the tiny preset run side by side on one local Ray, each with 
 single-threaded engine replicas: `colocated` (2 decode replicas, every request local)
 and `pd` (1 prefill + 1 decode, routed by `--pd-mode`, `auto` by default). On each of
 two workloads (the load tester's built-ins, `chat-short` and `rag-long`; SLOs are
-multiples of one request alone, `cluster.bench.sizing.class_slo`):
+`SLO_SCALE` times one request alone, `cluster.bench.sizing.class_slo`):
 
 1. a real saturation search: open-loop load tests at rising rates, each about
    `--num-requests` requests, until the highest rate meeting the SLO (90% of requests
@@ -39,6 +39,7 @@ TARGETS = {"ttft_p50_ms": 0.15, "ttft_p90_ms": 0.25, "itl_p50_ms": 0.10, "tpot_p
 SATURATION_TARGET = 0.10
 HELD_OUT_TARGET = 0.10
 DEPLOYMENTS = ("colocated", "pd")
+SLO_SCALE = 10.0  # each objective is this many times one request alone
 # Before the searches, a few requests one at a time on each deployment: requests alone in
 # flight are what calibration measures the per-request overhead outside the engine on.
 PROBE_WORKLOAD, PROBE_RATE, PROBE_REQUESTS = "chat-short", 1.0, 16
@@ -139,6 +140,9 @@ def run_bench(opts: PlanBenchOptions, log) -> dict:
                                out / workload / name / "search")
                 searches[(workload, name)] = found
                 capacity = _estimate(found)
+                if capacity is None:
+                    log(f"  {workload} on {name}: no rate met the SLO; no load points")
+                    continue
                 for fraction in opts.loads:
                     run_dir = out / workload / name / f"load-{round(fraction * 100)}"
                     point = runners[name].run(workload, capacity * fraction, opts.num_requests, slo, run_dir)
@@ -162,27 +166,28 @@ def run_bench(opts: PlanBenchOptions, log) -> dict:
 
 
 def workload_slo(baseline, workload: str):
-    """Five times one request alone: a long prompt's TTFT for `rag-long`, a short one's else."""
+    """`SLO_SCALE` times one request alone: a long prompt's TTFT for `rag-long`, a short
+    one's else, and a lone stream's TPOT. Loose enough that only real queueing breaks it
+    (a tight TTFT objective on two shared cores is missed by scattered requests at any
+    rate, and the "highest rate that meets it" turns to noise)."""
     from cluster.bench.sizing import class_slo
 
-    return class_slo(baseline, "long" if workload == "rag-long" else "short")
+    return class_slo(baseline, "long" if workload == "rag-long" else "short", SLO_SCALE, SLO_SCALE)
 
 
 def start_rate(baseline, workload: str, deployment: str) -> float:
-    """Where the search starts: about what the replicas that compute prompts could take
-    alone (the search moves from there by its factor)."""
-    if workload == "rag-long":  # prefill-bound: each of the two replicas prefills about one prompt at a time
-        return round(2.0 / (baseline.ttft_long_ms / 1000.0) * 0.5, 3)
-    streams = 8.0  # short prompts: each replica decodes several streams in one batch
-    per_request_s = baseline.e2e_ms(40) / 1000.0
-    serving = 2 if deployment == "colocated" else 1.5
-    return round(serving * streams / per_request_s * 0.5, 3)
+    """Where the search starts: the replicas that run requests, each serving one at a
+    time as fast as one alone (batching takes it higher, queueing for the SLO lower)."""
+    serving = 2.0 if deployment == "colocated" else 1.5  # a prefill replica takes part of the work
+    output_len = 24 if workload == "rag-long" else 40  # the built-ins' mean output lengths
+    ttft_ms = baseline.ttft_long_ms if workload == "rag-long" else baseline.ttft_short_ms
+    return round(serving / ((ttft_ms + (output_len - 1) * baseline.tpot_ms) / 1000.0), 3)
 
 
-def _estimate(found: dict) -> float:
+def _estimate(found: dict) -> float | None:
     low, high = found["rate"], found["high"]
     if low is None:
-        raise RuntimeError(f"{found['workload']}: no rate met the SLO, down to {found['points'][0]['rate']:.3g} req/s")
+        return None
     return (low * high) ** 0.5 if high else low
 
 
@@ -211,9 +216,9 @@ def build_report(validation: dict, loads: dict, opts: PlanBenchOptions) -> dict:
 def _targets(results: dict, validation: dict, opts: PlanBenchOptions) -> dict:
     targets = {}
     judged = [str(round(f * 100)) for f in opts.loads if any(abs(f - j) < 1e-9 for j in JUDGED_LOADS)]
-    for figure, limit in TARGETS.items():
-        errors = [block["loads"][pct]["figures"][figure]["error"] for by_name in results.values()
-                  for block in by_name.values() for pct in judged if pct in block["loads"]]
+    for figure, limit in TARGETS.items():  # a point that did not run (no capacity found) counts as a miss
+        errors = [block["loads"][pct]["figures"][figure]["error"] if pct in block["loads"] else None
+                  for by_name in results.values() for block in by_name.values() for pct in judged]
         targets[f"replay_{figure}_max_abs_error"] = _target(_max_abs(errors), limit)
     errors = [block["saturation"]["error"] for by_name in results.values() for block in by_name.values()]
     targets["saturation_rate_max_abs_error"] = _target(_max_abs(errors), SATURATION_TARGET)
