@@ -134,15 +134,14 @@ def _reporting_replica(replicas: dict) -> dict:
 
 
 def _overhead(requests: Sequence[list], step, transfer, limits: EngineLimits, notes: list[str]) -> float:
-    rows = [r for run in requests for r in run]
-    if not rows:
+    if not any(requests):
         notes.append("request_overhead_s: no requests.jsonl with the records, left at 0")
         return 0.0
-    overhead, num_idle = request_overhead_s(rows, step, transfer, limits.max_num_batched_tokens,
+    overhead, num_idle = request_overhead_s(requests, step, transfer, limits.max_num_batched_tokens,
                                             limits.kv_bytes_per_token)
     if overhead is None:
         notes.append(f"request_overhead_s: only {num_idle} requests ran alone, too few to measure; left at 0")
         return 0.0
-    notes.append(f"request_overhead_s: median of client TTFT less the fitted engine TTFT over {num_idle} "
-                 f"requests that ran alone")
+    notes.append(f"request_overhead_s: client TTFT beyond the fitted engine TTFT over {num_idle} requests "
+                 f"that ran alone")
     return overhead

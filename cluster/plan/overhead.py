@@ -6,15 +6,17 @@ token (no other request of the run was between sent and ended at any moment of i
 the replicas were idle and no queue, batch or contention stretched them. For each, the
 engine's share of its TTFT is the fitted model's: the prompt's prefill chunks on an idle
 replica (`cost_model.prefill_work` at the token budget, one step per chunk), plus, on
-the disaggregated route, the transfer's exposed tail. The overhead is the median of
-(client-measured TTFT - that engine time), never below 0. A run with no such request
+the disaggregated route, the transfer's exposed tail. The overhead is what client TTFT
+has beyond that engine time (`request_overhead_s`), never below 0. A run with no such request
 gives None: the caller leaves the overhead at 0 and says so.
 """
 
 from __future__ import annotations
 
-import statistics
+from collections.abc import Sequence
 from pathlib import Path
+
+import numpy as np
 
 from cluster.loadtest.client import RequestRecord
 from cluster.plan.calibration import StepModel, TransferModel
@@ -22,6 +24,7 @@ from workers.engine.cost_model import StepFeatures, prefill_work
 
 REQUESTS_FILE = "requests.jsonl"
 MIN_IDLE_REQUESTS = 3  # fewer: no estimate
+SPREAD_FOR_A_LINE = 2.0  # longest over shortest engine TTFT: below this, no line is fitted
 
 
 def read_requests(run_dir: str | Path) -> list[RequestRecord]:
@@ -57,12 +60,27 @@ def engine_ttft_s(prompt_len: int, route: str | None, step: StepModel, transfer:
     return prefill + t.fixed_s + prompt_len * kv_bytes_per_token / t.bytes_per_s
 
 
-def request_overhead_s(records: list[RequestRecord], step: StepModel, transfer: TransferModel, chunk: int,
+def request_overhead_s(runs: Sequence[list[RequestRecord]], step: StepModel, transfer: TransferModel, chunk: int,
                        kv_bytes_per_token: int) -> tuple[float | None, int]:
-    """(median overhead in seconds or None, how many idle requests it is over)."""
-    alone = idle_requests(records)
+    """(overhead in seconds or None, how many idle requests it is over), over the
+    requests alone in flight in each run (each run's times are its own clock).
+
+    With prompts of several lengths, the overhead is the intercept of client TTFT
+    against the fitted engine TTFT (a Theil-Sen line: medians of pairwise slopes, robust
+    to the stragglers of a shared machine), so an engine model off by a factor for lone
+    prompts (a fit over loaded steps prices a lone long prompt high) moves the slope,
+    not the overhead. With one length only, the median of the differences."""
+    alone = [r for records in runs for r in idle_requests(records)]
     if len(alone) < MIN_IDLE_REQUESTS:
         return None, len(alone)
-    gaps = [r.ttft_s - engine_ttft_s(r.prompt_tokens or r.target_prompt_len or 1, r.route, step, transfer, chunk,
-                                     kv_bytes_per_token) for r in alone]
-    return max(0.0, statistics.median(gaps)), len(alone)
+    engine = np.array([engine_ttft_s(r.prompt_tokens or r.target_prompt_len or 1, r.route, step, transfer, chunk,
+                                     kv_bytes_per_token) for r in alone])
+    client = np.array([r.ttft_s for r in alone])
+    if engine.max() < SPREAD_FOR_A_LINE * engine.min():
+        return max(0.0, float(np.median(client - engine))), len(alone)
+    i, j = np.triu_indices(len(alone), k=1)
+    dx = engine[j] - engine[i]
+    keep = dx != 0
+    slopes = (client[j] - client[i])[keep] / dx[keep]
+    slope = max(0.0, float(np.median(slopes)))
+    return max(0.0, float(np.median(client - slope * engine))), len(alone)
