@@ -39,6 +39,7 @@ TARGETS = {"ttft_p50_ms": 0.15, "ttft_p90_ms": 0.25, "itl_p50_ms": 0.10, "tpot_p
 SATURATION_TARGET = 0.10
 HELD_OUT_TARGET = 0.10
 DEPLOYMENTS = ("colocated", "pd")
+MANIFEST = "measured.json"  # what the measuring part ran, for `--from` to score again
 SLO_SCALE = 10.0  # each objective is this many times one request alone
 # Before the searches, a few requests one at a time on each deployment: requests alone in
 # flight are what calibration measures the per-request overhead outside the engine on.
@@ -72,6 +73,8 @@ def bench_plan_cmd(
     preset: str = typer.Option("tiny", help="Embedded model preset."),
     model_cache: str | None = typer.Option(None, help="Where the preset is made once (default ~/.cache/pdcluster)."),
     out: Path = typer.Option(Path("runs/bench-plan"), "--out", help="Folder for every run and the validation."),
+    from_dir: Path | None = typer.Option(None, "--from", help="Measure nothing: score an earlier run's folder "
+                                         f"(its {MANIFEST}) again with this version of the planner."),
 ) -> None:
     """Saturation searches and runs at 30/60/85% of capacity on real 1P+1D and 2-colocated
     deployments, each replayed by the planner: predicted vs measured."""
@@ -85,8 +88,9 @@ def bench_plan_cmd(
     console = Console(stderr=True, log_path=False)
     try:
         with stdout_to_stderr():
-            result = run_bench(opts, console.log)
-    except (RuntimeError, ValueError) as e:
+            result = (score(json.loads((from_dir / MANIFEST).read_text()), opts, console.log) if from_dir
+                      else run_bench(opts, console.log))
+    except (RuntimeError, ValueError, FileNotFoundError) as e:
         console.print(f"[red]bench plan failed:[/] {e}")
         raise typer.Exit(1) from None
     if as_json:
@@ -96,73 +100,107 @@ def bench_plan_cmd(
 
 
 def run_bench(opts: PlanBenchOptions, log) -> dict:
-    import ray.serve  # noqa: F401 - read before LocalCluster changes Serve's environment
+    manifest = measure(opts, log)
+    (opts.out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    return score(manifest, opts, log)
 
-    from cluster.bench.plan_runs import Runner, search
-    from cluster.bench.policy_admin import admin_token_file
-    from cluster.bench.sizing import measure_baseline
-    from cluster.local.apps import app_args, ensure_preset, expected_pools
-    from cluster.local.ray_cluster import LocalCluster
-    from cluster.local.runs import warm_up
+
+def score(manifest: dict, opts: PlanBenchOptions, log) -> dict:
+    """`plan validate` over a measured manifest's runs, as the bench's report."""
     from cluster.plan.validate import validate
 
-    started, load_start = time.perf_counter(), os.getloadavg()
-    out = opts.out
-    with admin_token_file() as (token_file, token), LocalCluster(log=log) as cluster:
-        ensure_preset(opts.preset, opts.model_cache, log)
-        log(f"deploying colocated (2 decode replicas, local) and pd (1 prefill + 1 decode, {opts.pd_mode})")
-        urls = dict(zip(DEPLOYMENTS, cluster.deploy_many([
-            ("colocated", app_args(opts.preset, opts.model_cache, 0, 2, "local", admin_token_file=token_file),
-             "/colocated", expected_pools(0, 2)),
-            ("pd", app_args(opts.preset, opts.model_cache, 1, 1, opts.pd_mode, admin_token_file=token_file),
-             "/pd", expected_pools(1, 1)),
-        ]), strict=True))
-        warm_up(urls["colocated"], ("local",))
-        warm_up(urls["pd"], ("local", "disagg"))
-        baseline = measure_baseline(urls["colocated"])
-        log(f"baseline (one request alone on one replica): {baseline}")
-        seeds = itertools.count(1000)
-        runners = {"colocated": Runner(urls["colocated"], token, "local", seeds, log),
-                   "pd": Runner(urls["pd"], token, opts.pd_mode, seeds, log)}
-        probes = []
-        for name in DEPLOYMENTS:
-            log(f"{name}: {PROBE_REQUESTS} requests at {PROBE_RATE:g}/s (the overhead outside the engine)")
-            probes.append(out / "probe" / name)
-            runners[name].run(PROBE_WORKLOAD, PROBE_RATE, PROBE_REQUESTS, workload_slo(baseline, PROBE_WORKLOAD),
-                              probes[-1])
-        searches, loads = {}, {}
-        for workload in opts.workloads:
-            slo = workload_slo(baseline, workload)
-            for name in DEPLOYMENTS:
-                log(f"{workload} on {name}: saturation search (SLO {slo.as_dict()})")
-                found = search(runners[name], workload, opts.num_requests, slo,
-                               start_rate(baseline, workload, name), opts.factor, opts.rel_tol,
-                               out / workload / name / "search")
-                searches[(workload, name)] = found
-                capacity = _estimate(found)
-                if capacity is None:
-                    log(f"  {workload} on {name}: no rate met the SLO; no load points")
-                    continue
-                for fraction in opts.loads:
-                    run_dir = out / workload / name / f"load-{round(fraction * 100)}"
-                    point = runners[name].run(workload, capacity * fraction, opts.num_requests, slo, run_dir)
-                    loads[(workload, name, fraction)] = run_dir
-                    log(f"  {workload} on {name} at {fraction:.0%} ({point.rate:.3g} req/s): "
-                        f"{point.attainment:.0%} met the SLO, TTFT p50 {point.figures['ttft_p50_ms'] or 0:.0f} ms")
-    measured_s = time.perf_counter() - started
+    started = time.perf_counter()
+    out = Path(manifest["out"])
+    loads = {(w, n, f): out / rel for w, n, f, rel in manifest["loads"]}
     log("replaying every run in the simulator")
-    paths = [out / w / n / "search" for (w, n) in searches] + list(loads.values()) + probes
+    paths = [out / rel for rel in manifest["searches"] + manifest["probes"]] + list(loads.values())
     validation = validate(paths, log=log)
     (out / "validation.json").write_text(json.dumps(validation, indent=1) + "\n")
-    return {"bench": "plan", **build_report(validation, loads, opts),
+    return {"bench": "plan", **build_report(validation, loads, opts), "setup": manifest["setup"],
+            "machine": manifest["machine"], "measure_time_s": manifest["measure_time_s"],
+            "replay_time_s": round(time.perf_counter() - started, 1),
+            "run_time_s": round(manifest["measure_time_s"] + time.perf_counter() - started, 1)}
+
+
+def measure(opts: PlanBenchOptions, log) -> dict:
+    """Deploy, probe, search and run; the manifest of what ran (paths relative to `out`)."""
+    import ray.serve  # noqa: F401 - read before LocalCluster changes Serve's environment
+
+    from cluster.bench.policy_admin import admin_token_file
+    from cluster.local.ray_cluster import LocalCluster
+
+    started, load_start = time.perf_counter(), os.getloadavg()
+    with admin_token_file() as (token_file, token), LocalCluster(log=log) as cluster:
+        baseline, runners = _deploy(cluster, opts, token_file, token, log)
+        probes = _probe(runners, baseline, opts.out, log)
+        searches, loads = _search_and_load(runners, baseline, opts, log)
+    return {"out": str(opts.out), "probes": probes, "searches": searches, "loads": loads,
             "setup": {"preset": opts.preset, "num_requests": opts.num_requests, "workloads": list(opts.workloads),
                       "pd_mode": opts.pd_mode, "search": {"factor": opts.factor, "rel_tol": opts.rel_tol},
-                      "loads": list(opts.loads), "baseline": vars(baseline), "out": str(out),
+                      "loads": list(opts.loads), "baseline": vars(baseline), "slo_scale": SLO_SCALE,
+                      "out": str(opts.out),
                       "deployments": {"colocated": "2 decode replicas, every request local",
                                       "pd": f"1 prefill + 1 decode, x-pd-mode {opts.pd_mode}"}},
             "machine": {"cores": os.cpu_count(), "loadavg_start": [round(x, 2) for x in load_start],
                         "loadavg_end": [round(x, 2) for x in os.getloadavg()]},
-            "measure_time_s": round(measured_s, 1), "run_time_s": round(time.perf_counter() - started, 1)}
+            "measure_time_s": round(time.perf_counter() - started, 1)}
+
+
+def _deploy(cluster, opts: PlanBenchOptions, token_file: str, token: str, log):
+    from cluster.bench.plan_runs import Runner
+    from cluster.bench.sizing import measure_baseline
+    from cluster.local.apps import app_args, ensure_preset, expected_pools
+    from cluster.local.runs import warm_up
+
+    ensure_preset(opts.preset, opts.model_cache, log)
+    log(f"deploying colocated (2 decode replicas, local) and pd (1 prefill + 1 decode, {opts.pd_mode})")
+    urls = dict(zip(DEPLOYMENTS, cluster.deploy_many([
+        ("colocated", app_args(opts.preset, opts.model_cache, 0, 2, "local", admin_token_file=token_file),
+         "/colocated", expected_pools(0, 2)),
+        ("pd", app_args(opts.preset, opts.model_cache, 1, 1, opts.pd_mode, admin_token_file=token_file),
+         "/pd", expected_pools(1, 1)),
+    ]), strict=True))
+    warm_up(urls["colocated"], ("local",))
+    warm_up(urls["pd"], ("local", "disagg"))
+    baseline = measure_baseline(urls["colocated"])
+    log(f"baseline (one request alone on one replica): {baseline}")
+    seeds = itertools.count(1000)
+    return baseline, {"colocated": Runner(urls["colocated"], token, "local", seeds, log),
+                      "pd": Runner(urls["pd"], token, opts.pd_mode, seeds, log)}
+
+
+def _probe(runners: dict, baseline, out: Path, log) -> list[str]:
+    probes = []
+    for name in DEPLOYMENTS:
+        log(f"{name}: {PROBE_REQUESTS} requests at {PROBE_RATE:g}/s (the overhead outside the engine)")
+        probes.append(f"probe/{name}")
+        runners[name].run(PROBE_WORKLOAD, PROBE_RATE, PROBE_REQUESTS, workload_slo(baseline, PROBE_WORKLOAD),
+                          out / probes[-1])
+    return probes
+
+
+def _search_and_load(runners: dict, baseline, opts: PlanBenchOptions, log) -> tuple[list[str], list[list]]:
+    from cluster.bench.plan_runs import search
+
+    searches, loads = [], []
+    for workload in opts.workloads:
+        slo = workload_slo(baseline, workload)
+        for name in DEPLOYMENTS:
+            log(f"{workload} on {name}: saturation search (SLO {slo.as_dict()})")
+            searches.append(f"{workload}/{name}/search")
+            found = search(runners[name], workload, opts.num_requests, slo, start_rate(baseline, workload, name),
+                           opts.factor, opts.rel_tol, opts.out / searches[-1])
+            capacity = _estimate(found)
+            if capacity is None:
+                log(f"  {workload} on {name}: no rate met the SLO; no load points")
+                continue
+            for fraction in opts.loads:
+                rel = f"{workload}/{name}/load-{round(fraction * 100)}"
+                point = runners[name].run(workload, capacity * fraction, opts.num_requests, slo, opts.out / rel)
+                loads.append([workload, name, fraction, rel])
+                log(f"  {workload} on {name} at {fraction:.0%} ({point.rate:.3g} req/s): "
+                    f"{point.attainment:.0%} met the SLO, TTFT p50 {point.figures['ttft_p50_ms'] or 0:.0f} ms")
+    return searches, loads
 
 
 def workload_slo(baseline, workload: str):
