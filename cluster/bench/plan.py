@@ -69,6 +69,7 @@ def bench_plan_cmd(
     quick: bool = typer.Option(False, "--quick", help="Smoke-test size: fewer requests per run, a coarser "
                                "search, one load point."),
     num_requests: int = typer.Option(150, min=20, help="Requests per run."),
+    workloads: str = typer.Option(",".join(WORKLOADS), help="Comma-separated built-in workloads to run."),
     pd_mode: str = typer.Option("auto", help="The pd deployment's routing mode (auto, threshold, disagg)."),
     preset: str = typer.Option("tiny", help="Embedded model preset."),
     model_cache: str | None = typer.Option(None, help="Where the preset is made once (default ~/.cache/pdcluster)."),
@@ -82,7 +83,11 @@ def bench_plan_cmd(
 
     if pd_mode not in ("auto", "threshold", "disagg"):
         raise typer.BadParameter("choose auto, threshold or disagg", param_hint="--pd-mode")
-    opts = PlanBenchOptions(preset, model_cache, num_requests, pd_mode=pd_mode, out=out)
+    names = tuple(w.strip() for w in workloads.split(",") if w.strip())
+    if not names or any(w not in ("chat-short", "rag-long", "shared-prefix", "multi-turn", "mixed") for w in names):
+        raise typer.BadParameter("built-in workloads: chat-short, rag-long, shared-prefix, multi-turn, mixed",
+                                 param_hint="--workloads")
+    opts = PlanBenchOptions(preset, model_cache, num_requests, names, pd_mode=pd_mode, out=out)
     if quick:
         opts.num_requests, opts.rel_tol, opts.loads = min(num_requests, 40), 0.3, (0.5,)
     console = Console(stderr=True, log_path=False)
