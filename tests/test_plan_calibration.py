@@ -125,6 +125,10 @@ def test_a_run_folder_round_trips_and_calibrates_from_its_own_report(tmp_path):
     assert c.request_overhead_s == pytest.approx(0.007, abs=1e-4)
     assert c.quality.num_held_out == 300 // HOLD_OUT_EVERY and "assumed" not in c.notes
     assert Calibration.load(c.save(tmp_path / "cal.json")) == c
+    # what the replicas report is their own (relative-error) fit of the same steps; on
+    # these records (uniform noise about a linear truth) both fits find the truth
+    assert c.reported_step is not None and c.reported_step.num_samples == c.step.num_samples
+    assert np.allclose(c.reported_step.coefficients().vector(), c.step.coefficients().vector(), rtol=0.05)
 
 
 def test_what_the_records_do_not_say_comes_from_the_caller_and_is_named(tmp_path, tiny_model_dir):

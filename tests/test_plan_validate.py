@@ -14,15 +14,17 @@ from cluster.cli import app
 from cluster.config import WorkloadProfile
 from cluster.loadtest.config import SLO
 from cluster.loadtest.report import write_report
+from cluster.plan.calibration import StepModel
 from cluster.plan.evaluate import ATTAINMENT
 from cluster.plan.records import DEPLOYMENT_FILE
 from cluster.plan.replay import ReplayError, read_run
 from cluster.plan.saturation import saturation_rate
 from cluster.plan.sim.arrivals import at_rate
 from cluster.plan.sim.config import SimConfig
-from cluster.plan.sim.simulator import simulate
+from cluster.plan.sim.simulator import Simulation, simulate
 from cluster.plan.validate import orders_agree, relative_error, validate, write_search
 from tests.test_plan_search import CALIBRATION
+from workers.engine.cost_model import StepCoefficients
 
 SLO_ = SLO(ttft_ms=400.0, tpot_ms=60.0)
 
@@ -100,6 +102,14 @@ class _Point:
     @property
     def meets(self) -> bool:
         return self.attainment >= ATTAINMENT
+
+
+def test_simulated_replicas_report_the_fit_a_real_replica_would():
+    reported = StepModel.of(StepCoefficients(0.001, 1e-5, 0.0, 5e-4, 0.0))
+    calibration = CALIBRATION.model_copy(update={"reported_step": reported})
+    engine = next(iter(Simulation(SimConfig(num_prefill=0, num_decode=1), calibration).engines.values()))
+    assert engine.stats()["step_model"] == reported.coefficients().to_dict()  # what the router sees
+    assert engine.coefficients == CALIBRATION.step.coefficients()  # what its steps cost
 
 
 def test_rankings_agree_unless_an_order_is_reversed_beyond_a_tie():

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster.config import EngineSettings
-from cluster.plan.calibration import Calibration, EngineLimits, Source
-from cluster.plan.fit import fit_and_score, fit_transfers
+from cluster.plan.calibration import Calibration, EngineLimits, Source, StepModel
+from cluster.plan.fit import fit_and_score, fit_reported, fit_transfers, split_held_out
 from cluster.plan.live import fetch_records
 from cluster.plan.model_facts import engine_version, model_facts
 from cluster.plan.overhead import read_requests, request_overhead_s
@@ -83,6 +83,7 @@ def from_records(records: RecordSet, source: Source, overrides: Overrides, origi
                                f"calibrate offline with --model DIR")
     try:
         step, quality = fit_and_score(records.steps)
+        reported = StepModel.of(fit_reported(split_held_out(records.steps)[0]))
     except ValueError as e:
         raise CalibrationError(str(e)) from None
     transfer, transfer_note = fit_transfers(records.transfers)
@@ -97,6 +98,7 @@ def from_records(records: RecordSet, source: Source, overrides: Overrides, origi
     return Calibration(model=told.values["model"], engine_version=engine_version(), device=told.values["device"],
                        dtype=told.values["dtype"], source=source, created_at=time.time(), limits=limits,
                        step=step, transfer=transfer, quality=quality, request_overhead_s=overhead,
+                       reported_step=reported,
                        notes="; ".join(notes))
 
 

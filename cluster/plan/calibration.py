@@ -91,9 +91,12 @@ class Calibration(_Strict):
     source: Source
     created_at: float  # unix seconds
     limits: EngineLimits
-    step: StepModel
+    step: StepModel  # what a simulated step costs (fitted on the mean step time)
     transfer: TransferModel
     quality: FitQuality
+    # What the replicas' own online fit (relative error) would report in their heartbeats,
+    # so the simulated router predicts as the real one did; None: `step`.
+    reported_step: StepModel | None = None
     # Measured outside the engine: the HTTP hop, tokenisation and the router, per request.
     request_overhead_s: float = Field(default=0.0, ge=0)
     notes: str = ""

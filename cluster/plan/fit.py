@@ -22,7 +22,14 @@ import numpy as np
 
 from cluster.plan.calibration import FitQuality, StepModel, TransferModel
 from cluster.plan.records import ReplicaStep, ReplicaTransfer
-from workers.engine.cost_model import MIN_STEP_S, StepCoefficients, has_work, nnls, step_features
+from workers.engine.cost_model import (
+    MIN_STEP_S,
+    StepCoefficients,
+    fit_step_coefficients,
+    has_work,
+    nnls,
+    step_features,
+)
 from workers.engine.step_cost import StepRecord
 from workers.engine.transfer_cost import DEFAULT_TRANSFER, fit_transfer
 
@@ -53,6 +60,15 @@ def fit_steps(records: Sequence[StepRecord]) -> StepCoefficients:
     return StepCoefficients.from_vector(nnls_mean(a, t), len(kept))
 
 
+def fit_reported(records: Sequence[StepRecord]) -> StepCoefficients:
+    """The step model as a replica fits it online and reports it to the router (relative
+    error, `cost_model.fit_step_coefficients`) over `records` (those with work)."""
+    kept = [r for r in records if has_work(r)]
+    a = np.stack([step_features(r).row() for r in kept])
+    t = np.array([r.step_time_s for r in kept])
+    return StepCoefficients.from_vector(fit_step_coefficients(a, t), len(kept))
+
+
 def nnls_mean(a: np.ndarray, t: np.ndarray) -> np.ndarray:
     """c >= 0 minimising sum((a @ c - t)^2), columns scaled to unit norm (seconds per
     step and per token solved on one footing); all-zero columns keep c = 0."""
@@ -74,7 +90,8 @@ def relative_errors(c: StepCoefficients, records: Sequence[StepRecord]) -> np.nd
 
 
 def fit_and_score(steps: Sequence[ReplicaStep], every: int = HOLD_OUT_EVERY) -> tuple[StepModel, FitQuality]:
-    """Fit on all but the held-out steps; the quality is measured on the held-out ones."""
+    """Fit on all but the held-out steps; the quality is measured on the held-out ones.
+    (`fit_reported` on the same fitted steps gives what the replicas report.)"""
     fitted, held_out = split_held_out(steps, every)
     if len(fitted) < 2 or not held_out:
         raise ValueError(f"too few step records with work to fit and score ({len(fitted) + len(held_out)}); "

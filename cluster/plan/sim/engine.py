@@ -45,12 +45,13 @@ Schedule = Callable[..., None]  # EventQueue.schedule(at, callback, late=False)
 
 class SimEngine:
     def __init__(self, replica_id: str, role: str, limits: EngineLimits, coefficients: StepCoefficients,
-                 schedule: Schedule, listener: Listener) -> None:
+                 schedule: Schedule, listener: Listener, reported: StepCoefficients | None = None) -> None:
         self.replica_id, self.role, self.limits = replica_id, role, limits
         self.block_size, self.max_num_seqs = limits.block_size, limits.max_num_seqs
         self.budget = limits.max_num_batched_tokens
         self.coefficients = coefficients
-        self._step_model = coefficients.to_dict()  # one dict for every heartbeat (never changed)
+        # what its heartbeats report (a real replica's own fit; never changed): one dict for all
+        self._step_model = (reported or coefficients).to_dict()
         self._c = (coefficients.fixed_s, coefficients.prefill_token_s, coefficients.prefill_attention_s,
                    coefficients.decode_seq_s, coefficients.decode_context_s)
         self._schedule, self.listener = schedule, listener

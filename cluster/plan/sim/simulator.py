@@ -45,10 +45,12 @@ class Simulation:
         self.network = Network(link, self.events.schedule)
         self.router = SimRouter(config, self.limits.block_size, self.limits.max_num_seqs, link)
         coefficients = calibration.step.coefficients()
+        reported = (calibration.reported_step or calibration.step).coefficients()
         self.engines: dict[str, SimEngine] = {}
         self.nodes: dict[str, int] = {}
         for i, (rid, role) in enumerate(config.replica_ids()):
-            self.engines[rid] = SimEngine(rid, role, self.limits, coefficients, self.events.schedule, self)
+            self.engines[rid] = SimEngine(rid, role, self.limits, coefficients, self.events.schedule, self,
+                                          reported=reported)
             self.nodes[rid] = i // config.replicas_per_node
         self.requests: list[SimRequest] = []
         self.num_done = 0
