@@ -147,19 +147,28 @@ def _choose_decode(view: ClusterView, decodes: list[ReplicaInfo], hashes: list[i
     much busier than the least loaded one; and its hit in blocks. One pass over the pool
     (this runs per request): the first of the least loaded, and the first of those with
     the longest hit."""
-    index = view.index
+    index, inflight, held_by = view.index, view.inflight, view.index.held_blocks
+    num_hashes = len(hashes)
     least = best = decodes[0]
     least_load = best_load = view.load(least)
     best_hit = index.num_matched_blocks(least.replica_id, hashes)
-    for r in decodes[1:]:
-        load = view.load(r)
+    for r in decodes[1:]:  # `view.load` and `index.holds` inlined: this loop is the router's hot path
+        rid = r.replica_id
+        load = r.load
+        queued = inflight.get(rid, 0)
+        if queued > load:
+            load = queued
         if load < least_load:
             least, least_load = r, load
         # A longer run than the best's holds block `best_hit`; without it, r wins only a
         # tie at less load. So a replica as busy that lacks that block is not scanned.
-        if load >= best_load and (best_hit >= len(hashes) or not index.holds(r.replica_id, hashes[best_hit])):
-            continue
-        hit = index.num_matched_blocks(r.replica_id, hashes)
+        if load >= best_load:
+            if best_hit >= num_hashes:
+                continue
+            held = held_by.get(rid)
+            if held is None or hashes[best_hit] not in held:
+                continue
+        hit = index.num_matched_blocks(rid, hashes)
         if hit > best_hit or (hit == best_hit and load < best_load):
             best, best_load, best_hit = r, load, hit
     if best_hit == 0 or best_load - least_load > AFFINITY_MAX_IMBALANCE:

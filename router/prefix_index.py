@@ -10,7 +10,7 @@ costs some recomputation, never correctness.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 
 
 class PrefixIndex:
@@ -31,6 +31,12 @@ class PrefixIndex:
                 break
             n += 1
         return n
+
+    @property
+    def held_blocks(self) -> Mapping[str, Container[int]]:
+        """Replica id -> the block hashes it holds, to scan many replicas without a call
+        each (read only)."""
+        return self._blocks
 
     def holds(self, replica_id: str, block_hash: int) -> bool:
         """Whether `replica_id` holds this one block (not necessarily the blocks before it)."""
