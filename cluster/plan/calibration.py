@@ -97,6 +97,10 @@ class Calibration(_Strict):
     # What the replicas' own online fit (relative error) would report in their heartbeats,
     # so the simulated router predicts as the real one did; None: `step`.
     reported_step: StepModel | None = None
+    # The serving path's queue (`sim/frontend.py`): work per request and per streamed
+    # chunk, fitted to runs' client-side latencies; None: not modelled.
+    frontend_request_s: float | None = Field(default=None, ge=0)
+    frontend_chunk_s: float | None = Field(default=None, ge=0)
     # Measured outside the engine: the HTTP hop, tokenisation and the router, per request.
     request_overhead_s: float = Field(default=0.0, ge=0)
     notes: str = ""

@@ -20,12 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.loadtest.config import SLO
+from cluster.loadtest.metrics import summarize
 from cluster.plan.calibrate import from_runs
 from cluster.plan.calibration import Calibration
 from cluster.plan.evaluate import ATTAINMENT
+from cluster.plan.frontend_fit import fit_frontend
 from cluster.plan.replay import RecordedRun, ReplayError, read_run, replay, sim_config
 from cluster.plan.saturation import saturation_rate
 from cluster.plan.sim.arrivals import at_rate
+from cluster.plan.sim.frontend import Frontend, apply
 from cluster.plan.sim.simulator import simulate
 
 SATURATION_FILE = "saturation.json"
@@ -105,7 +108,9 @@ def validate(paths: Sequence[str | Path], calibration: Calibration | None = None
     by_key: dict[str, list[RecordedRun]] = {}
     for run in runs.values():
         by_key.setdefault(run.deployment.key, []).append(run)
-    calibrations = {key: calibration or _calibrate(group, log) for key, group in by_key.items()}
+    in_searches = {p for s in searches for p in s.runs}
+    calibrations = {key: calibration or _calibrate(group, [r for r in group if r.path in in_searches] or group, log)
+                    for key, group in by_key.items()}
     replays = [replay_one(run, calibrations[run.deployment.key], log) for run in runs.values()]
     search_results = [search_one(s, runs[s.runs[0]], calibrations[runs[s.runs[0]].deployment.key], log)
                       for s in searches]
@@ -131,14 +136,32 @@ def _collect(paths: Sequence[str | Path]) -> tuple[dict[Path, RecordedRun], list
     return runs, searches
 
 
-def _calibrate(group: list[RecordedRun], log: Callable[[str], None]) -> Calibration:
+def _calibrate(group: list[RecordedRun], fit_runs: list[RecordedRun], log: Callable[[str], None]) -> Calibration:
+    """The step and transfer models from every run's records; the serving path's queue
+    fitted to the client latencies of `fit_runs` (a search's runs when there is one, so
+    the runs judged apart from it are not the ones it was fitted on)."""
     log(f"calibrating {group[0].deployment.name} from the records of its {len(group)} runs")
-    return from_runs([r.path for r in group])
+    calibration = from_runs([r.path for r in group])
+    frontend, loss = fit_frontend(fit_runs, calibration)
+    note = (f"serving path: {frontend.request_s * 1e3:g} ms a request, {frontend.chunk_s * 1e3:g} ms a chunk, "
+            f"fitted to the client latencies of {len(fit_runs)} runs (mean squared log error {loss:.3f})")
+    return calibration.model_copy(update={"frontend_request_s": frontend.request_s,
+                                          "frontend_chunk_s": frontend.chunk_s,
+                                          "notes": f"{calibration.notes}; {note}"})
+
+
+def frontend_of(calibration: Calibration) -> Frontend:
+    return Frontend(calibration.frontend_request_s or 0.0, calibration.frontend_chunk_s or 0.0)
+
+
+def _summary(result, slo: SLO, rate: float | None, calibration: Calibration):
+    records = apply(result.records, frontend_of(calibration))
+    return summarize(records, slo, rate, {"simulated": True, "stream": True}), records
 
 
 def replay_one(run: RecordedRun, calibration: Calibration, log: Callable[[str], None]) -> dict:
     result = replay(run, calibration)
-    summary = result.summary(run.slo)
+    summary, _ = _summary(result, run.slo, run.target_rate, calibration)
     predicted = figures_of(summary)
     row = {"run": str(run.path), "deployment": run.deployment.name, "workload": run.load.workload,
            "mode": run.mode, "rate": run.target_rate, "num_requests": len(run.records),
@@ -173,7 +196,8 @@ def search_one(search: Search, run: RecordedRun, calibration: Calibration, log: 
 
     def evaluate(_option, rate: float) -> _SimPoint:
         arrivals = at_rate(search.workload, rate, search.num_requests, search.seed)
-        summary = simulate(config, calibration, arrivals, target_rate=rate).summary(search.slo)
+        result = simulate(config, calibration, arrivals, target_rate=rate)
+        summary, _ = _summary(result, search.slo, rate, calibration)
         return _SimPoint(rate, summary.goodput["fraction"])
 
     found = saturation_rate(evaluate, None, search.start_rate, factor=search.factor,
@@ -233,4 +257,10 @@ def _describe(c: Calibration) -> dict:
     return {"model": c.model, "device": c.device, "source": c.source,
             "held_out_median_error": round(c.quality.median_relative_error, 4),
             "num_step_records": c.quality.num_fitted + c.quality.num_held_out,
-            "request_overhead_ms": round(c.request_overhead_s * 1e3, 3), "notes": c.notes}
+            "request_overhead_ms": round(c.request_overhead_s * 1e3, 3),
+            "frontend_ms": {"request": _ms(c.frontend_request_s), "chunk": _ms(c.frontend_chunk_s)},
+            "notes": c.notes}
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 4)
