@@ -28,6 +28,7 @@ from cluster.plan.calibration import EngineLimits
 from cluster.plan.sim.decode_batch import MAX_RUN_STEPS, DecodeBatch, DecodeRun
 from cluster.plan.sim.decode_batch import num_blocks as _blocks
 from cluster.plan.sim.prefix_cache import SimPrefixCache
+from cluster.plan.sim.recent import RecentDecode
 from cluster.plan.sim.sequence import SimSeq
 from workers.engine.cost_model import StepCoefficients, prefill_work
 from workers.engine.scheduler import DEFAULT_YIELD_TOKENS
@@ -59,6 +60,8 @@ class SimEngine:
         self.free_blocks = limits.num_kv_blocks
         self.step = 0  # the index of the next step
         self.step_ends = array("d")  # when each step ended: tokens are emitted there
+        self.recent = RecentDecode()  # what its heartbeats report of the last seconds' decoding
+        self._step_started = 0.0
         self.busy = False
         self.busy_s = 0.0
         self.num_preemptions = 0
@@ -156,6 +159,7 @@ class SimEngine:
         dt = c0 + c1 * tokens + c2 * work + c3 * n_dec + c4 * context
         self.busy = True
         self.busy_s += dt
+        self._step_started = now
         if self.trace is not None:
             self.trace.append((tokens, n_dec))
         self._schedule(now + dt, self._end_step)
@@ -208,6 +212,7 @@ class SimEngine:
             if self.trace is not None:
                 self.trace.append((0, n_dec))
         self.busy_s += run.end_of(run.num_steps - 1) - run.start
+        self.recent.add(run.end_of(run.num_steps - 1), run.end_of(run.num_steps - 1) - run.start, n_dec, run.num_steps)
         last = run.first + run.num_steps - 1
         for seq in list(self.decoding.finished_by(last)):
             self._finish(seq, last, now)
@@ -231,6 +236,8 @@ class SimEngine:
     def _end_step(self, now: float) -> None:
         k = self.step
         self.step_ends.append(now)
+        if not self._chunks and self.decoding:  # a decode-only step taken alone
+            self.recent.add(now, now - self._step_started, len(self.decoding))
         if self._joined:
             for seq in self._joined:
                 if seq.join_step == k:  # not preempted since it joined
@@ -405,8 +412,9 @@ class SimEngine:
 
     # -- what a heartbeat reports --------------------------------------------------------------
 
-    def stats(self) -> dict:
-        """The fields `LLMEngine.stats()` puts in a heartbeat, from the counters."""
+    def stats(self, now: float | None = None) -> dict:
+        """The fields `LLMEngine.stats()` puts in a heartbeat, from the counters (and, given
+        the time, the recent stream gap)."""
         k, n_dec = self.step, len(self.decoding)
         prefilling = self.prefilling + self.backgrounds
         ready_context = sum(s.prompt_len + 1 for s in self.ready)
@@ -426,6 +434,7 @@ class SimEngine:
             "num_decoding": n_dec + len(self.ready),
             "decode_context_tokens": self.decoding.context(k) + ready_context,
             "decode_tokens_remaining": self.decoding.tokens_remaining(k) + sum(s.output_len for s in self.ready),
+            **(self.recent.stats(now) if now is not None else {}),
             "step_model": self._step_model,
             "kv_bytes_per_token": self.limits.kv_bytes_per_token,
             "max_num_batched_tokens": self.budget,

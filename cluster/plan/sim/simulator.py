@@ -78,7 +78,8 @@ class Simulation:
         self.events.schedule(start + self.config.poll_interval_s, self._poll)
 
     def _heartbeat(self, engine: SimEngine, now: float) -> None:
-        self.router.heartbeat(engine.replica_id, engine.role, self.nodes[engine.replica_id], engine.stats(), now)
+        self.router.heartbeat(engine.replica_id, engine.role, self.nodes[engine.replica_id],
+                                engine.stats(now), now)
 
     def _beat(self, engine: SimEngine, now: float) -> None:
         self._heartbeat(engine, now)
