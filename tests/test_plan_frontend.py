@@ -4,7 +4,7 @@ tokens into chunks, and its two costs are recovered from runs that were made wit
 from __future__ import annotations
 
 from cluster.loadtest.client import RequestRecord
-from cluster.plan.replay import read_run
+from cluster.plan.replay import read_run, replay
 from cluster.plan.sim.frontend import Frontend, apply, token_times
 from tests.test_plan_search import CALIBRATION
 from tests.test_plan_validate import _simulated_run
@@ -52,7 +52,7 @@ def test_the_fit_recovers_the_costs_a_run_was_made_with(tmp_path):
 
         write_report(folder, summarize(records, run.slo, rate, run.summary.env), records, plots=False)
         runs.append(read_run(folder))
-    found, loss = fit_frontend(runs, CALIBRATION)
+    found, loss = fit_frontend([(run, replay(run, CALIBRATION).records) for run in runs])
     # the arrivals' cost shows in TTFT; a chunk's much less where engine steps (~20 ms
     # here) space the tokens further apart than it takes: only the first is pinned
     assert found.request_s == truth.request_s and loss < 1e-3

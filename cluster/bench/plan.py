@@ -186,6 +186,7 @@ def _probe(runners: dict, baseline, out: Path, log) -> list[str]:
 
 def _search_and_load(runners: dict, baseline, opts: PlanBenchOptions, log) -> tuple[list[str], list[list]]:
     from cluster.bench.plan_runs import search
+    from cluster.plan.validate import bracket_middle
 
     searches, loads = [], []
     for workload in opts.workloads:
@@ -195,7 +196,7 @@ def _search_and_load(runners: dict, baseline, opts: PlanBenchOptions, log) -> tu
             searches.append(f"{workload}/{name}/search")
             found = search(runners[name], workload, opts.num_requests, slo, start_rate(baseline, workload, name),
                            opts.factor, opts.rel_tol, opts.out / searches[-1])
-            capacity = _estimate(found)
+            capacity = bracket_middle(found["rate"], found["high"])
             if capacity is None:
                 log(f"  {workload} on {name}: no rate met the SLO; no load points")
                 continue
@@ -225,13 +226,6 @@ def start_rate(baseline, workload: str, deployment: str) -> float:
     output_len = 24 if workload == "rag-long" else 40  # the built-ins' mean output lengths
     ttft_ms = baseline.ttft_long_ms if workload == "rag-long" else baseline.ttft_short_ms
     return round(serving / ((ttft_ms + (output_len - 1) * baseline.tpot_ms) / 1000.0), 3)
-
-
-def _estimate(found: dict) -> float | None:
-    low, high = found["rate"], found["high"]
-    if low is None:
-        return None
-    return (low * high) ** 0.5 if high else low
 
 
 def build_report(validation: dict, loads: dict, opts: PlanBenchOptions) -> dict:

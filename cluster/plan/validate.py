@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.loadtest.config import SLO
-from cluster.loadtest.metrics import summarize
+from cluster.loadtest.metrics import Summary, summarize
 from cluster.plan.calibrate import from_runs
 from cluster.plan.calibration import Calibration
 from cluster.plan.evaluate import ATTAINMENT
@@ -29,6 +29,7 @@ from cluster.plan.replay import RecordedRun, ReplayError, read_run, replay, sim_
 from cluster.plan.saturation import saturation_rate
 from cluster.plan.sim.arrivals import at_rate
 from cluster.plan.sim.frontend import Frontend, apply
+from cluster.plan.sim.result import SimResult
 from cluster.plan.sim.simulator import simulate
 
 SATURATION_FILE = "saturation.json"
@@ -63,10 +64,15 @@ class Search:
 
     @property
     def estimate(self) -> float | None:
-        """The saturation rate's point estimate: the bracket's geometric middle."""
-        if self.rate is None or self.high is None:
-            return self.rate
-        return (self.rate * self.high) ** 0.5
+        return bracket_middle(self.rate, self.high)
+
+
+def bracket_middle(low: float | None, high: float | None) -> float | None:
+    """A saturation search's point estimate: the geometric middle of the highest rate that
+    met the SLO and the lowest that missed it (the first alone when nothing missed)."""
+    if low is None or high is None:
+        return low
+    return (low * high) ** 0.5
 
 
 def read_search(path: Path) -> Search:
@@ -109,9 +115,14 @@ def validate(paths: Sequence[str | Path], calibration: Calibration | None = None
     for run in runs.values():
         by_key.setdefault(run.deployment.key, []).append(run)
     in_searches = {p for s in searches for p in s.runs}
-    calibrations = {key: calibration or _calibrate(group, [r for r in group if r.path in in_searches] or group, log)
-                    for key, group in by_key.items()}
-    replays = [replay_one(run, calibrations[run.deployment.key], log) for run in runs.values()]
+    calibrations, simulated = {}, {}
+    for key, group in by_key.items():
+        base = calibration or _calibrate(group, log)
+        simulated |= {run.path: replay(run, base) for run in group}  # the engines do not see the serving path
+        fit_on = [r for r in group if r.path in in_searches] or group
+        calibrations[key] = base if calibration else _with_frontend(base, [(r, simulated[r.path].records)
+                                                                           for r in fit_on])
+    replays = [replay_one(run, calibrations[run.deployment.key], simulated[path], log) for path, run in runs.items()]
     search_results = [search_one(s, runs[s.runs[0]], calibrations[runs[s.runs[0]].deployment.key], log)
                       for s in searches]
     return {"runs": replays, "searches": search_results, "rankings": rankings(search_results),
@@ -136,15 +147,18 @@ def _collect(paths: Sequence[str | Path]) -> tuple[dict[Path, RecordedRun], list
     return runs, searches
 
 
-def _calibrate(group: list[RecordedRun], fit_runs: list[RecordedRun], log: Callable[[str], None]) -> Calibration:
-    """The step and transfer models from every run's records; the serving path's queue
-    fitted to the client latencies of `fit_runs` (a search's runs when there is one, so
-    the runs judged apart from it are not the ones it was fitted on)."""
+def _calibrate(group: list[RecordedRun], log: Callable[[str], None]) -> Calibration:
     log(f"calibrating {group[0].deployment.name} from the records of its {len(group)} runs")
-    calibration = from_runs([r.path for r in group])
-    frontend, loss = fit_frontend(fit_runs, calibration)
+    return from_runs([r.path for r in group])
+
+
+def _with_frontend(calibration: Calibration, replayed: list) -> Calibration:
+    """The serving path's queue fitted to the client latencies of `replayed` (a search's
+    runs when there is one, so the runs judged apart from it are not the ones it was
+    fitted on)."""
+    frontend, loss = fit_frontend(replayed)
     note = (f"serving path: {frontend.request_s * 1e3:g} ms a request, {frontend.chunk_s * 1e3:g} ms a chunk, "
-            f"fitted to the client latencies of {len(fit_runs)} runs (mean squared log error {loss:.3f})")
+            f"fitted to the client latencies of {len(replayed)} runs (mean squared log error {loss:.3f})")
     return calibration.model_copy(update={"frontend_request_s": frontend.request_s,
                                           "frontend_chunk_s": frontend.chunk_s,
                                           "notes": f"{calibration.notes}; {note}"})
@@ -154,14 +168,15 @@ def frontend_of(calibration: Calibration) -> Frontend:
     return Frontend(calibration.frontend_request_s or 0.0, calibration.frontend_chunk_s or 0.0)
 
 
-def _summary(result, slo: SLO, rate: float | None, calibration: Calibration):
+def _summary(result: SimResult, slo: SLO, rate: float | None, calibration: Calibration) -> Summary:
+    """The simulated run as its client would have summarised it (through the serving path)."""
     records = apply(result.records, frontend_of(calibration))
-    return summarize(records, slo, rate, {"simulated": True, "stream": True}), records
+    return summarize(records, slo, rate, {"simulated": True, "stream": True})
 
 
-def replay_one(run: RecordedRun, calibration: Calibration, log: Callable[[str], None]) -> dict:
-    result = replay(run, calibration)
-    summary, _ = _summary(result, run.slo, run.target_rate, calibration)
+def replay_one(run: RecordedRun, calibration: Calibration, result: SimResult, log: Callable[[str], None]) -> dict:
+    """`run` against its replay `result` under `calibration`."""
+    summary = _summary(result, run.slo, run.target_rate, calibration)
     predicted = figures_of(summary)
     row = {"run": str(run.path), "deployment": run.deployment.name, "workload": run.load.workload,
            "mode": run.mode, "rate": run.target_rate, "num_requests": len(run.records),
@@ -197,7 +212,7 @@ def search_one(search: Search, run: RecordedRun, calibration: Calibration, log: 
     def evaluate(_option, rate: float) -> _SimPoint:
         arrivals = at_rate(search.workload, rate, search.num_requests, search.seed)
         result = simulate(config, calibration, arrivals, target_rate=rate)
-        summary, _ = _summary(result, search.slo, rate, calibration)
+        summary = _summary(result, search.slo, rate, calibration)
         return _SimPoint(rate, summary.goodput["fraction"])
 
     found = saturation_rate(evaluate, None, search.start_rate, factor=search.factor,
