@@ -15,7 +15,7 @@ from cluster.config import WorkloadProfile
 from cluster.loadtest.config import SLO
 from cluster.loadtest.report import write_report
 from cluster.plan.calibration import StepModel
-from cluster.plan.evaluate import ATTAINMENT
+from cluster.plan.evaluate import ATTAINMENT, AttainmentPoint
 from cluster.plan.records import DEPLOYMENT_FILE
 from cluster.plan.replay import ReplayError, read_run
 from cluster.plan.saturation import saturation_rate
@@ -79,7 +79,7 @@ def test_a_search_is_found_again_inside_its_bracket(tmp_path):
         folder = tmp_path / f"rate-{rate:.4g}"
         result = _simulated_run(folder, rate, seed=11)
         points.append({"rate": rate, "attainment": result.summary(SLO_).goodput["fraction"], "run": folder.name})
-        return _Point(rate, points[-1]["attainment"])
+        return AttainmentPoint(rate, points[-1]["attainment"])
 
     found = saturation_rate(measure, None, 4.0, factor=1.5, rel_tol=0.3)
     assert found.rate is not None and found.high is not None
@@ -93,15 +93,6 @@ def test_a_search_is_found_again_inside_its_bracket(tmp_path):
     assert found.rate <= predicted < found.high, (found, predicted)
     assert abs(search["error"]) <= (found.high / found.rate) ** 0.5 - 1 + 1e-6
     assert len(data["runs"]) == len(points)  # every run of the search is replayed too
-
-
-class _Point:
-    def __init__(self, rate: float, attainment: float) -> None:
-        self.rate, self.attainment = rate, attainment
-
-    @property
-    def meets(self) -> bool:
-        return self.attainment >= ATTAINMENT
 
 
 def test_simulated_replicas_report_the_fit_a_real_replica_would():

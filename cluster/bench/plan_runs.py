@@ -15,27 +15,21 @@ import itertools
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster.loadtest.config import SLO
-from cluster.plan.evaluate import ATTAINMENT
+from cluster.plan.evaluate import AttainmentPoint
 from cluster.plan.saturation import saturation_rate
-from cluster.plan.validate import write_search
+from cluster.plan.validate import figures_of, write_search
 
 PAUSE_S = 1.0  # between runs: the last streams drain, heartbeats show an idle cluster
 
 
 @dataclass(frozen=True)
-class RealPoint:
-    rate: float
-    attainment: float
-    run: str  # the run's folder, relative to the search's
-    figures: dict
-
-    @property
-    def meets(self) -> bool:
-        return self.attainment >= ATTAINMENT
+class RealPoint(AttainmentPoint):
+    run: str = ""  # the run's folder, relative to the search's
+    figures: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -58,9 +52,7 @@ class Runner:
             url=self.url, out_dir=out_dir, workload=workload, rate=rate, num_requests=num_requests, seed=seed,
             mode=self.mode, slo=slo, plots=False, save_steps=True, admin_token=self.token, timeout_s=300.0))
         time.sleep(PAUSE_S)
-        figures = {"ttft_p50_ms": summary.ttft_ms["p50"], "ttft_p90_ms": summary.ttft_ms["p90"],
-                   "itl_p50_ms": summary.itl_ms["p50"], "tpot_p50_ms": summary.tpot_ms["p50"],
-                   "failed": summary.requests["failed"], "routes": dict(summary.routes)}
+        figures = {**figures_of(summary), "failed": summary.requests["failed"], "routes": dict(summary.routes)}
         return RealPoint(rate, summary.goodput["fraction"], out_dir.name, figures)
 
 

@@ -90,6 +90,18 @@ def _scaled_text(text: str, factor: float) -> str:
 
 
 @dataclass(frozen=True)
+class AttainmentPoint:
+    """One run at one rate, as a saturation search reads it (simulated or real)."""
+
+    rate: float
+    attainment: float  # share of requests meeting both objectives
+
+    @property
+    def meets(self) -> bool:
+        return self.attainment >= ATTAINMENT
+
+
+@dataclass(frozen=True)
 class PlanPoint:
     """One option simulated at one rate."""
 

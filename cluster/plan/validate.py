@@ -23,7 +23,7 @@ from cluster.loadtest.config import SLO
 from cluster.loadtest.metrics import Summary, summarize
 from cluster.plan.calibrate import from_runs
 from cluster.plan.calibration import Calibration
-from cluster.plan.evaluate import ATTAINMENT
+from cluster.plan.evaluate import AttainmentPoint
 from cluster.plan.frontend_fit import fit_frontend
 from cluster.plan.replay import RecordedRun, ReplayError, read_run, replay, sim_config
 from cluster.plan.saturation import saturation_rate
@@ -85,8 +85,8 @@ def write_search(path: Path, search: dict) -> None:
     (path / SATURATION_FILE).write_text(json.dumps(search, indent=1) + "\n")
 
 
-def figures_of(summary) -> dict[str, float | None]:
-    data = summary if isinstance(summary, dict) else summary.to_dict()
+def figures_of(summary: Summary) -> dict[str, float | None]:
+    data = summary.to_dict()
     return {name: data.get(block, {}).get(key) for name, (block, key) in FIGURES.items()}
 
 
@@ -194,26 +194,16 @@ def _pair(figure: dict) -> str:
     return "n/a" if m is None or p is None else f"{m:.1f} measured / {p:.1f} predicted"
 
 
-@dataclass(frozen=True)
-class _SimPoint:
-    rate: float
-    attainment: float
-
-    @property
-    def meets(self) -> bool:
-        return self.attainment >= ATTAINMENT
-
-
 def search_one(search: Search, run: RecordedRun, calibration: Calibration, log: Callable[[str], None]) -> dict:
     """The simulated twin of a measured search: same deployment, workload, request count,
     start and step; bisected to `SIM_REL_TOL`."""
     config = sim_config(run, seed=search.seed)
 
-    def evaluate(_option, rate: float) -> _SimPoint:
+    def evaluate(_option, rate: float) -> AttainmentPoint:
         arrivals = at_rate(search.workload, rate, search.num_requests, search.seed)
         result = simulate(config, calibration, arrivals, target_rate=rate)
         summary = _summary(result, search.slo, rate, calibration)
-        return _SimPoint(rate, summary.goodput["fraction"])
+        return AttainmentPoint(rate, summary.goodput["fraction"])
 
     found = saturation_rate(evaluate, None, search.start_rate, factor=search.factor,
                             rel_tol=min(SIM_REL_TOL, search.rel_tol))
