@@ -41,6 +41,8 @@ def loadtest_cmd(
     duration: float | None = typer.Option(None, help="No request starts after S seconds; in-flight ones drain."),
     num_requests: int | None = typer.Option(None, help="Requests to send (default 100 unless --duration)."),
     seed: int = typer.Option(0, help="Workload and schedule seed: same seed, byte-identical requests."),
+    prompt_salt: str | None = typer.Option(None, help="Replace the first characters of every prompt with this "
+                                           "text: same lengths and arrivals, no prefix-cache hits on an earlier run."),
     model: str | None = typer.Option(None, help="Model id (default: the first of /v1/models)."),
     endpoint: str = typer.Option("completions", help="completions (token-id prompts where allowed) or chat."),
     api_key: str | None = typer.Option(None, help="Sent as a Bearer token; never recorded."),
@@ -66,7 +68,7 @@ def loadtest_cmd(
         config = LoadTestConfig(
             url=url, out_dir=out, workload=workload, rate=rate, burstiness=burstiness, concurrency=concurrency,
             ramp=_parse_ramp(ramp), sweep=sweep, trace=trace, duration_s=duration, num_requests=num_requests,
-            seed=seed, model=model, endpoint=endpoint, api_key=api_key, slo=SLO.parse(slo), clients=clients,
+            seed=seed, prompt_salt=prompt_salt, model=model, endpoint=endpoint, api_key=api_key, slo=SLO.parse(slo), clients=clients,
             mode=mode, headers=_parse_headers(header), stream=stream, prompt_format=prompt_format,
             timeout_s=timeout, progress=True, plots=plots, sweep_points=sweep_points, save_steps=save_steps,
         )

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
+from cluster.loadtest.prompt_blocks import prompt_block_hashes
 from cluster.loadtest.workloads import RequestSpec
 
 
@@ -67,6 +68,7 @@ class RequestRecord:
     error_kind: str | None = None
     error: str | None = None
     client_id: int = 0
+    prompt_block_hashes: list[str] = field(default_factory=list)  # of the prompt's bytes, never its text
 
     @property
     def ok(self) -> bool:
@@ -144,6 +146,7 @@ async def send_request(
 ) -> RequestRecord:
     """Send `spec`, filling `record` (also returned). Never raises for server errors."""
     record.target_prompt_len, record.target_output_len = spec.prompt_len, spec.output_len
+    record.prompt_block_hashes = prompt_block_hashes(spec.prompt)
     headers = {"x-workload": spec.workload, **target.headers, "x-request-id": f"{target.run_id}{spec.request_id}"}
     body = build_body(spec, target, caps)
     start = time.perf_counter()

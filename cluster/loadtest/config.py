@@ -72,6 +72,9 @@ class LoadTestConfig:
     slo_attainment: float = 0.9  # a rate "meets the SLO" when this fraction of requests do
     save_steps: bool = False  # also write the deployment's steps.jsonl / transfers.jsonl into out_dir
     admin_token: str | None = None  # for save_steps (default $PDC_ADMIN_TOKEN); never recorded
+    # replaces the first characters of every request's first message: the same lengths and
+    # arrivals as an unsalted run of this seed, but no prefix-cache hit on a run salted otherwise
+    prompt_salt: str | None = None
 
     def __post_init__(self) -> None:
         shapes = [self.rate is not None, self.concurrency is not None, self.ramp is not None,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 from cluster.loadtest.client import Caps, ClientShards, RequestRecord, Target, send_request
 from cluster.loadtest.config import LoadTestConfig
+from cluster.loadtest.prompt_blocks import salted
 from cluster.loadtest.schedule import gamma_arrivals, ramp_arrivals, trace_arrivals
 from cluster.loadtest.workloads import RequestSpec, iter_workload, request_from_row
 
@@ -33,6 +34,12 @@ class Plan:
     num_requests: int | None = None
     duration_s: float | None = None
     target_rate: float | None = None
+    salt: str | None = None  # `prompt_blocks.salted` on every request
+
+    def requests(self) -> Iterator[RequestSpec]:
+        """The workload's endless request stream, salted as this plan says."""
+        stream = iter_workload(self.workload, self.seed)
+        return (salted(spec, self.salt) for spec in stream) if self.salt else stream
 
     @property
     def is_open_loop(self) -> bool:
@@ -58,12 +65,13 @@ def build_plan(config: LoadTestConfig) -> Plan:
         return _open(config, offsets, None)
     if config.trace is not None:
         return _trace_plan(config)
-    return Plan(config.workload, config.seed, concurrency=config.concurrency or 1, num_requests=n, duration_s=duration)
+    return Plan(config.workload, config.seed, concurrency=config.concurrency or 1, num_requests=n, duration_s=duration,
+                salt=config.prompt_salt)
 
 
 def _open(config: LoadTestConfig, offsets: list[float], rate: float | None) -> Plan:
-    specs = list(itertools.islice(iter_workload(config.workload, config.seed), len(offsets)))
-    return Plan(config.workload, config.seed, specs, offsets, target_rate=rate)
+    plan = Plan(config.workload, config.seed, target_rate=rate, salt=config.prompt_salt)
+    return replace(plan, specs=list(itertools.islice(plan.requests(), len(offsets))), offsets=offsets)
 
 
 def _trace_plan(config: LoadTestConfig) -> Plan:
@@ -75,13 +83,14 @@ def _trace_plan(config: LoadTestConfig) -> Plan:
         limit = min(limit, config.num_requests)
     if config.duration_s is not None:
         limit = sum(1 for t in offsets[:limit] if t < config.duration_s)
-    fallback = iter_workload(config.workload, config.seed)
+    plan = Plan(config.workload, config.seed, salt=config.prompt_salt)
+    fallback = plan.requests()
     specs = [
-        request_from_row(row, i, "trace", config.seed)
+        salted(request_from_row(row, i, "trace", config.seed), config.prompt_salt or "")
         if {"prompt", "messages", "prompt_len"} & row.keys() else next(fallback)
         for i, row in enumerate(rows[:limit])
     ]
-    return Plan(config.workload, config.seed, specs, offsets[:limit])
+    return replace(plan, specs=specs, offsets=offsets[:limit])
 
 
 def run_sync(coro):
@@ -99,7 +108,7 @@ def run_sync(coro):
 
 
 def _indexed_workload(plan: Plan, client_id: int, num_clients: int) -> Iterator[tuple[int, RequestSpec]]:
-    stream = enumerate(iter_workload(plan.workload, plan.seed))
+    stream = enumerate(plan.requests())
     if plan.num_requests is not None:
         stream = itertools.islice(stream, plan.num_requests)
     return itertools.islice(stream, client_id, None, num_clients)

@@ -82,6 +82,7 @@ def environment(config: LoadTestConfig, session: Session, plan: Plan | None, rec
         "model": session.target.model,
         "workload": config.workload,
         "seed": config.seed,
+        "prompt_salt": config.prompt_salt,
         "load": config.describe_shape(),
         "num_requests": config.effective_num_requests,
         "duration_limit_s": config.duration_s,
