@@ -4,6 +4,10 @@ and KV transfer records (`GET /admin/steps`, fetched over the worker streams).
 `Authorization: Bearer $PDC_ADMIN_TOKEN`; a missing or wrong token is 401, and with no
 token configured the whole admin API is off (403). A change goes to the ControlPlane,
 which every router replica polls, so it applies to new requests everywhere within 2 s.
+
+The profiles carry one version for them all, sent as `ETag: "N"`; a PUT or DELETE with
+`If-Match: N` (or `"N"`) is refused with 409 unless N is still the current version, so a
+tool restoring profiles never overwrites a change made since it read them.
 """
 
 from __future__ import annotations
@@ -17,11 +21,18 @@ from pydantic import ValidationError
 
 from cluster.config import WorkloadProfile
 from router.cluster_view import ClusterView
+from router.control_plane import (
+    DefaultWorkloadRequired,
+    ProfileChangeRefused,
+    UnknownWorkload,
+    VersionConflict,
+)
 from router.errors import APIError, bad_request, from_validation_error
 from workers.protocol import StepsRequest
 from workers.stream.client import WorkerStreams
 
 MAX_NAME_LEN = 64
+MAX_VERSION_DIGITS = 18  # an If-Match longer than any version is refused before int() parses it
 DEFAULT_STEPS_LIMIT = 1000  # records of each kind per replica
 STEPS_TIMEOUT_S = 2.0  # a replica that has not answered by then is listed with an error
 ENGINE_STATS = ("kv_blocks_total", "max_num_batched_tokens", "kv_bytes_per_token", "num_layers")  # heartbeat keys /admin/steps repeats
@@ -51,6 +62,40 @@ def parse_profile(name: str, body: object) -> WorkloadProfile:
         return WorkloadProfile.model_validate(body, strict=True)
     except ValidationError as e:
         raise from_validation_error(e) from None
+
+
+def parse_if_match(value: str | None) -> int | None:
+    """The version an `If-Match` header expects (`12` or `"12"`); None without the header."""
+    if value is None:
+        return None
+    digits = value.strip()
+    if len(digits) >= 2 and digits[0] == digits[-1] == '"':
+        digits = digits[1:-1]
+    if not digits.isascii() or not digits.isdigit() or len(digits) > MAX_VERSION_DIGITS:
+        raise bad_request('If-Match must be a workloads version, e.g. 12 or "12" '
+                          "(the ETag of GET /admin/workloads)", param="If-Match")
+    return int(digits)
+
+
+def etag(version: int) -> dict[str, str]:
+    """The header that names the profiles' version an answer reflects."""
+    return {"etag": f'"{version}"'}
+
+
+def refused_error(refused: ProfileChangeRefused) -> APIError:
+    """The HTTP answer to a profile write the ControlPlane refused."""
+    name, current = refused.workload, refused.current_version
+    if isinstance(refused, VersionConflict):
+        return APIError(409, f"The workload profiles changed since you read them: the current version is "
+                        f"{current}. GET /admin/workloads and retry with If-Match: {current}",
+                        param="If-Match", code="version_conflict")
+    if isinstance(refused, UnknownWorkload):
+        return APIError(404, f"The workload '{name}' does not exist", param="name", code="workload_not_found")
+    if isinstance(refused, DefaultWorkloadRequired):
+        return bad_request("The 'default' workload cannot be deleted: it always exists (requests with an "
+                           "unknown workload use it); PUT it to change it", param="name",
+                           code="default_workload_required")
+    raise AssertionError(f"unmapped refusal {type(refused).__name__}")
 
 
 def parse_steps_query(query: dict[str, str]) -> StepsRequest:

@@ -7,12 +7,16 @@ Workers call `register(...)` when they start and `heartbeat(...)` every ~0.5 s w
 their stats and metrics snapshot. Routers poll `get_state(since_version)` every ~0.5 s,
 so a profile change reaches every router replica within about a second, and a restarted
 router gets the current profiles on its first poll. Profiles change through the admin
-API (`set_profile`) and through a Serve redeploy (`reconfigure(user_config)`), each
-bumping `version`.
+API (`set_profile`, `delete_profile`) and through a Serve redeploy
+(`reconfigure(user_config)`), each bumping `version`. `version` is one counter for all
+profiles: a write given an `expected_version` happens only if nothing changed since the
+writer read that version (the compare and the write are one step here, so racing router
+replicas cannot both win).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -25,6 +29,28 @@ from router import metrics
 from router.cluster_view import ReplicaInfo
 
 FORGET_AFTER_S = 60.0  # a silent replica is dropped from the registry after this
+
+
+class ProfileChangeRefused(Exception):
+    """A profile write that did not happen; nothing changed. `current_version`: the version
+    the profiles are still at."""
+
+    def __init__(self, workload: str, current_version: int) -> None:
+        super().__init__(workload, current_version)  # the args that pickle carries across Ray
+        self.workload = workload
+        self.current_version = current_version
+
+
+class VersionConflict(ProfileChangeRefused):
+    """The writer's expected version is not the current one: profiles changed since its read."""
+
+
+class UnknownWorkload(ProfileChangeRefused):
+    """No profile of that name to delete."""
+
+
+class DefaultWorkloadRequired(ProfileChangeRefused):
+    """`default` always exists (an unknown workload resolves to it), so it cannot be deleted."""
 
 
 @dataclass
@@ -42,8 +68,11 @@ class ControlPlaneCore:
                  clock: Callable[[], float] = time.time) -> None:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.clock = clock
+        # Serve runs sync methods on a thread pool: a version check and its write, and a
+        # read of (version, profiles), each hold this lock so they are one step.
+        self.profiles_lock = threading.Lock()
         self.version = 0
-        self.profiles: dict[str, WorkloadProfile] = {}
+        self.profiles: dict[str, WorkloadProfile] = {}  # replaced whole on a change, never mutated
         self.replicas: dict[str, ReplicaInfo] = {}
         self.snapshots: dict[str, tuple[float, metrics.Snapshot]] = {}
         self.retired: metrics.Snapshot = []  # counters of forgotten sources, so sums never drop
@@ -53,17 +82,46 @@ class ControlPlaneCore:
     def replace_profiles(self, workloads: dict[str, Any]) -> int:
         profiles = {name: WorkloadProfile.model_validate(p) for name, p in workloads.items()}
         profiles.setdefault("default", WorkloadProfile())
+        with self.profiles_lock:
+            return self._write(profiles)
+
+    def set_profile(self, name: str, profile: dict[str, Any], expected_version: int | None = None) -> int:
+        """Add or replace one profile; the new version. Raises `VersionConflict` when
+        `expected_version` is given and is not the current version."""
+        with self.profiles_lock:
+            self._check_version(name, expected_version)
+            return self._write({**self.profiles, name: WorkloadProfile.model_validate(profile)})
+
+    def delete_profile(self, name: str, expected_version: int | None = None) -> int:
+        """Remove one profile; the new version. Raises `DefaultWorkloadRequired` for
+        `default`, then `VersionConflict` as `set_profile` does, then `UnknownWorkload`
+        (a stale writer learns it is stale before it learns the name is gone)."""
+        with self.profiles_lock:
+            if name == "default":
+                raise DefaultWorkloadRequired(name, self.version)
+            self._check_version(name, expected_version)
+            if name not in self.profiles:
+                raise UnknownWorkload(name, self.version)
+            return self._write({n: p for n, p in self.profiles.items() if n != name})
+
+    def get_profiles(self) -> tuple[int, dict[str, dict]]:
+        version, profiles = self._read()
+        return version, _dump(profiles)
+
+    def _read(self) -> tuple[int, dict[str, WorkloadProfile]]:
+        """The version and the profiles it names, read together."""
+        with self.profiles_lock:
+            return self.version, self.profiles
+
+    def _check_version(self, name: str, expected_version: int | None) -> None:
+        if expected_version is not None and expected_version != self.version:
+            raise VersionConflict(name, self.version)
+
+    def _write(self, profiles: dict[str, WorkloadProfile]) -> int:
+        """Install new profiles under a new version (the caller holds the lock)."""
         self.profiles = profiles
         self.version += 1
         return self.version
-
-    def set_profile(self, name: str, profile: dict[str, Any]) -> int:
-        self.profiles = {**self.profiles, name: WorkloadProfile.model_validate(profile)}
-        self.version += 1
-        return self.version
-
-    def get_profiles(self) -> tuple[int, dict[str, dict]]:
-        return self.version, {name: p.model_dump() for name, p in self.profiles.items()}
 
     # Replicas.
     def register(self, replica_id: str, role: str, node_id: str = "", address: str | None = None,
@@ -101,8 +159,9 @@ class ControlPlaneCore:
                 for r in self.replicas.values()]
 
     def get_state(self, since_version: int | None = None) -> ClusterState:
-        profiles = None if since_version == self.version else self.get_profiles()[1]
-        return ClusterState(self.version, profiles, self.live_replicas(), self.clock())
+        version, profiles = self._read()  # together: a poller never pairs a version with other profiles
+        return ClusterState(version, None if since_version == version else _dump(profiles),
+                            self.live_replicas(), self.clock())
 
     # Metrics.
     def push_metrics(self, source_id: str, snapshot: metrics.Snapshot | str | bytes) -> None:
@@ -125,6 +184,10 @@ class ControlPlaneCore:
         if entry is not None:
             cumulative = [f for f in entry[1] if f["type"] != "gauge"]
             self.retired = metrics.merge([self.retired, cumulative])
+
+
+def _dump(profiles: dict[str, WorkloadProfile]) -> dict[str, dict]:
+    return {name: p.model_dump() for name, p in profiles.items()}
 
 
 @serve.deployment(name="ControlPlane", num_replicas=1, max_ongoing_requests=1000,
@@ -156,8 +219,12 @@ class ControlPlane:
     def get_profiles(self) -> tuple[int, dict[str, dict]]:
         return self.core.get_profiles()
 
-    def set_profile(self, name: str, profile: dict[str, Any]) -> int:
-        return self.core.set_profile(name, profile)
+    def set_profile(self, name: str, profile: dict[str, Any], expected_version: int | None = None) -> int:
+        """Raises a `ProfileChangeRefused` (the caller gets it back through the handle)."""
+        return self.core.set_profile(name, profile, expected_version)
+
+    def delete_profile(self, name: str, expected_version: int | None = None) -> int:
+        return self.core.delete_profile(name, expected_version)
 
     def push_metrics(self, source_id: str, snapshot: metrics.Snapshot | str) -> None:
         self.core.push_metrics(source_id, snapshot)

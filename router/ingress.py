@@ -34,6 +34,7 @@ from router import (
 )
 from router.api_keys import ApiKeys
 from router.cluster_view import ClusterView
+from router.control_plane import ProfileChangeRefused
 from router.errors import (
     bad_request,
     from_validation_error,
@@ -310,16 +311,26 @@ class Router:
     async def admin_get_workloads(self, request: Request) -> JSONResponse:
         admin.check_admin(request.headers.get("authorization"), self.admin_token)
         version, profiles = await self._profiles_from_control_plane()
-        return JSONResponse({"version": version, "workloads": profiles})
+        return JSONResponse({"version": version, "workloads": profiles}, headers=admin.etag(version))
 
     @app.put("/admin/workloads/{name}")
     async def admin_put_workload(self, name: str, request: Request) -> JSONResponse:
         admin.check_admin(request.headers.get("authorization"), self.admin_token)
+        expected = admin.parse_if_match(request.headers.get("if-match"))
         profile = admin.parse_profile(name, await read_json(request, self.config.router.max_body_bytes))
-        version = await self.control_plane.set_profile.remote(name, profile.model_dump())
-        await self._refresh()  # this replica at once; the others within one poll
+        version = await self._change_profiles(self.control_plane.set_profile.remote(
+            name, profile.model_dump(), expected))
         log.info("workload %s set to %s (version %d)", name, profile.model_dump(), version)
-        return JSONResponse({"name": name, "profile": profile.model_dump(), "version": version})
+        return JSONResponse({"name": name, "profile": profile.model_dump(), "version": version},
+                            headers=admin.etag(version))
+
+    @app.delete("/admin/workloads/{name}")
+    async def admin_delete_workload(self, name: str, request: Request) -> JSONResponse:
+        admin.check_admin(request.headers.get("authorization"), self.admin_token)
+        expected = admin.parse_if_match(request.headers.get("if-match"))
+        version = await self._change_profiles(self.control_plane.delete_profile.remote(name, expected))
+        log.info("workload %s deleted (version %d)", name, version)
+        return JSONResponse({"name": name, "deleted": True, "version": version}, headers=admin.etag(version))
 
     @app.get("/admin/steps")
     async def admin_get_steps(self, request: Request) -> JSONResponse:
@@ -340,6 +351,17 @@ class Router:
         admin.check_admin(request.headers.get("authorization"), self.admin_token)
         self.learner.reset()
         return JSONResponse(self.learner.describe(self.view))
+
+    async def _change_profiles(self, change) -> int:
+        """Await a ControlPlane profile write; its refusal becomes the HTTP error (409/404/400)."""
+        try:
+            version = await change
+        except ProfileChangeRefused as refused:
+            error = admin.refused_error(refused)
+            log.info("workload %s change refused: %s", refused.workload, error.code)
+            raise error from None
+        await self._refresh()  # this replica at once; the others within one poll
+        return version
 
     async def _profiles_from_control_plane(self) -> tuple[int, dict[str, Any]]:
         if self.control_plane is None:

@@ -215,6 +215,71 @@ def test_admin_auth_and_toggle_reaches_every_router_within_2s(client):
     assert client.get("/admin/workloads", headers=auth).json()["workloads"]["rag"] == {**profile, **defaults}
 
 
+ADMIN = {"authorization": f"Bearer {TOKEN}"}
+FULL_PROFILE = {"mode": "local", "min_remote_prefill_tokens": 1, "max_prefill_queue": 1,
+                "allow_client_override": False}
+
+
+def _workloads(client) -> dict:
+    """GET /admin/workloads, checking its ETag names the version in the body."""
+    r = client.get("/admin/workloads", headers=ADMIN)
+    assert r.status_code == 200, r.text
+    assert r.headers["etag"] == f'"{r.json()["version"]}"'
+    return r.json()
+
+
+def test_admin_put_if_match_stale_is_409_and_changes_nothing(client):
+    before = _workloads(client)
+    version = before["version"]
+    stale = client.put("/admin/workloads/scratch", json=FULL_PROFILE, headers={**ADMIN, "if-match": str(version - 1)})
+    assert_openai_error(stale, 409, "version_conflict")
+    assert f"version is {version}" in stale.json()["error"]["message"]
+    bad = client.put("/admin/workloads/scratch", json=FULL_PROFILE, headers={**ADMIN, "if-match": "v1"})
+    assert_openai_error(bad, 400)
+    assert bad.json()["error"]["param"] == "If-Match"
+    assert _workloads(client) == before
+    r = client.put("/admin/workloads/scratch", json=FULL_PROFILE, headers={**ADMIN, "if-match": f'"{version}"'})
+    assert r.status_code == 200 and r.json()["version"] == version + 1, r.text
+    assert r.headers["etag"] == f'"{version + 1}"'
+
+
+def test_admin_delete_with_if_match_and_its_refusals(client):
+    assert_openai_error(client.delete("/admin/workloads/scratch"), 401)
+    version = client.put("/admin/workloads/scratch", json=FULL_PROFILE, headers=ADMIN).json()["version"]
+    assert_openai_error(client.delete("/admin/workloads/scratch", headers={**ADMIN, "if-match": str(version - 1)}),
+                        409, "version_conflict")
+    r = client.delete("/admin/workloads/scratch", headers={**ADMIN, "if-match": str(version)})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"name": "scratch", "deleted": True, "version": version + 1}
+    assert r.headers["etag"] == f'"{version + 1}"'
+    assert_openai_error(client.delete("/admin/workloads/scratch", headers=ADMIN), 404, "workload_not_found")
+    refused = client.delete("/admin/workloads/default", headers=ADMIN)
+    assert_openai_error(refused, 400)
+    assert "always exists" in refused.json()["error"]["message"]
+    listed = _workloads(client)
+    assert "scratch" not in listed["workloads"] and listed["version"] == version + 1
+    time.sleep(2.0)  # every router replica has polled the delete: `scratch` is the default profile now
+    reasons = {complete(client, "hi", headers={"x-workload": "scratch", "x-pd-mode": "disagg"}).headers["x-pd-reason"]
+               for _ in range(4)}
+    assert reasons == {"forced"}  # `scratch` refused overrides; `default` allows them
+
+
+def test_admin_restore_round_trip_keeps_an_operators_change_until_reread(client):
+    original = _workloads(client)  # what a tool saved
+    operators = {**original["workloads"]["locked"], "mode": "disagg", "max_prefill_queue": 3}
+    assert client.put("/admin/workloads/locked", json=operators, headers=ADMIN).status_code == 200
+    saved = original["workloads"]["locked"]
+    stale = client.put("/admin/workloads/locked", json=saved, headers={**ADMIN, "if-match": str(original["version"])})
+    assert_openai_error(stale, 409, "version_conflict")
+    assert _workloads(client)["workloads"]["locked"]["mode"] == "disagg"  # the operator's change stands
+    current = _workloads(client)["version"]
+    r = client.put("/admin/workloads/locked", json=saved, headers={**ADMIN, "if-match": f'"{current}"'})
+    assert r.status_code == 200, r.text
+    restored = _workloads(client)
+    assert restored["workloads"] == original["workloads"]
+    assert restored["version"] > original["version"]
+
+
 def test_metrics_show_every_name_after_traffic(client):
     complete(client, "metrics traffic prompt, long enough to go remote " * 2, headers={"x-pd-mode": "disagg"})
     for _ in range(2):  # the second one hits the prefix cache, whatever ran before this test
