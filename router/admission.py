@@ -10,7 +10,8 @@ In order, for each request:
 
 Every wait is bounded and every queue has a size, so overload never becomes an unbounded
 wait or an out-of-memory. A granted `Ticket` is released exactly once, when the response
-is finished (streams: when the stream ends or the client leaves).
+is finished (streams: when the stream ends or the client leaves). An `AdmissionObserver`
+hears of every refusal (tenant, code) and of every admitted request's wait for a slot.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import weakref
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from router.errors import APIError
 from router.tenants import ANONYMOUS, Quota, Tenants
@@ -50,6 +52,16 @@ class TokenBucket:
         return (1.0 - self.tokens) / self.rate
 
 
+class AdmissionObserver(Protocol):
+    """What admission reports (`router.metrics.RouterMetrics` records it)."""
+
+    def record_rejected(self, tenant: str, code: str) -> None:
+        """A request of `tenant` refused with a 429 of error `code`."""
+
+    def observe_admission_wait(self, seconds: float) -> None:
+        """A request admitted after waiting `seconds` for a slot (0.0: it did not wait)."""
+
+
 @dataclass(order=True)
 class _Waiter:
     rank: int
@@ -72,8 +84,10 @@ class Ticket:
 
 class Admission:
     def __init__(self, tenants: Tenants, max_concurrent: int, max_queued: int,
-                 queue_timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+                 queue_timeout_s: float, clock: Callable[[], float] = time.monotonic,
+                 observer: AdmissionObserver | None = None) -> None:
         self.tenants = tenants
+        self.observer = observer
         self.max_concurrent, self.max_queued = max_concurrent, max_queued
         self.queue_timeout_s = queue_timeout_s
         self.clock = clock
@@ -88,7 +102,20 @@ class Admission:
         return sum(1 for w in self._queue if not w.future.done())
 
     async def acquire(self, tenant: str | None) -> Ticket:
+        """A ticket for `tenant`'s request (None: `anonymous`), or a 429 `APIError`."""
         tenant = tenant or ANONYMOUS
+        try:
+            ticket, waited_s = await self._admit(tenant)
+        except APIError as refused:
+            if self.observer is not None:
+                self.observer.record_rejected(tenant, str(refused.code))
+            raise
+        if self.observer is not None:
+            self.observer.observe_admission_wait(waited_s)
+        return ticket
+
+    async def _admit(self, tenant: str) -> tuple[Ticket, float]:
+        """The ticket and the seconds spent waiting for a global slot."""
         quota = self.tenants.quota(tenant)
         self._check_rate(tenant, quota)
         if quota.concurrency is not None and self.per_tenant[tenant] >= quota.concurrency:
@@ -97,12 +124,12 @@ class Admission:
         self.per_tenant[tenant] += 1
         ticket = Ticket(self, tenant)
         try:
-            await self._global_slot(quota)
+            waited_s = await self._global_slot(quota)
         except BaseException:
             self._untrack(tenant)
             ticket.released = True
             raise
-        return ticket
+        return ticket, waited_s
 
     def _check_rate(self, tenant: str, quota: Quota) -> None:
         if quota.rate is None:
@@ -115,15 +142,17 @@ class Admission:
         if wait_s > 0:
             raise too_many(f"Tenant {tenant} is over its rate of {quota.rate:g} requests/s", wait_s)
 
-    async def _global_slot(self, quota: Quota) -> None:
+    async def _global_slot(self, quota: Quota) -> float:
+        """Take a slot, queueing for one if none is free; returns the seconds queued."""
         if self.num_running < self.max_concurrent and not self.num_queued:
             self.num_running += 1
-            return
+            return 0.0
         if self.num_queued >= self.max_queued:
             raise too_many(f"The server is at capacity ({self.max_concurrent} running, "
                            f"{self.max_queued} queued)", 1.0, code="server_overloaded")
         waiter = _Waiter(quota.rank, next(self._seq), asyncio.get_running_loop().create_future())
         heapq.heappush(self._queue, waiter)
+        start = self.clock()
         try:
             await asyncio.wait_for(asyncio.shield(waiter.future), self.queue_timeout_s)
         except asyncio.TimeoutError:
@@ -137,6 +166,7 @@ class Admission:
             else:
                 waiter.future.cancel()
             raise
+        return self.clock() - start
 
     def _release(self, tenant: str) -> None:
         self._untrack(tenant)

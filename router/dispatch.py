@@ -34,7 +34,7 @@ from ray.serve.exceptions import (
 
 from cluster.config import WorkloadProfile
 from router.cluster_view import ClusterView
-from router.errors import APIError, unavailable
+from router.errors import APIError, RequestTimedOut, unavailable
 from router.placement import Placement, PolicyInputs, place
 from router.policy import RequestWork
 from workers.engine.sampling_params import SamplingParams
@@ -45,6 +45,7 @@ log = logging.getLogger("pdcluster.router")
 RETRYABLE = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError, BackPressureError,
              RayServeException, ReplicaGone)
 WORKER_FAILURES = (*RETRYABLE, WorkerCallFailed)  # after the first chunk: a 503, never a 500
+DEADLINE_EXCEEDED = "deadline_exceeded"  # a worker's error code: the request's deadline passed
 
 
 @runtime_checkable
@@ -164,6 +165,18 @@ def error_status(error: dict) -> int:
     return 503
 
 
+def worker_error(error: dict) -> APIError:
+    """The OpenAI error for a worker's error chunk body (a RequestTimedOut for a deadline)."""
+    kind = RequestTimedOut if error.get("code") == DEADLINE_EXCEEDED else APIError
+    return kind.from_body(error_status(error), {"error": error})
+
+
+def _no_answer(exc: BaseException) -> APIError:
+    """No first chunk: the call ended empty, or `first_chunk_timeout_s` passed (a timeout)."""
+    kind = RequestTimedOut if isinstance(exc, asyncio.TimeoutError) else APIError
+    return kind(503, f"The replica did not answer ({type(exc).__name__})", code="service_unavailable")
+
+
 async def start(callers: Callers, view: ClusterView, draft: RequestDraft) -> Call:
     """Place, call, and wait for the first chunk; one retry on another replica."""
     last_error: Exception | None = None
@@ -181,7 +194,7 @@ async def start(callers: Callers, view: ClusterView, draft: RequestDraft) -> Cal
         except (StopAsyncIteration, asyncio.TimeoutError) as e:
             stream.cancel()
             view.end(placement)
-            raise unavailable(f"The replica did not answer ({type(e).__name__})") from None
+            raise _no_answer(e) from None
         except RETRYABLE as e:
             stream.cancel()
             view.end(placement)
@@ -204,6 +217,6 @@ async def start(callers: Callers, view: ClusterView, draft: RequestDraft) -> Cal
         call = Call(placement, stream, first, view)
         if first.finish_reason == "error":
             call.close()
-            raise APIError.from_body(error_status(first.error or {}), {"error": first.error or {}})
+            raise worker_error(first.error or {})
         return call
     raise unavailable(f"No replica could take the request: {type(last_error).__name__}")

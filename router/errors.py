@@ -48,6 +48,12 @@ class APIError(Exception):
                    code=err.get("code"), type_=err.get("type"))
 
 
+class RequestTimedOut(APIError):
+    """An APIError that ends a request because a time limit expired: its workload's
+    `deadline_s` (the worker's `deadline_exceeded`) or no first chunk within
+    `router.request_timeout_s`. Answered like any APIError; the router counts it."""
+
+
 class FieldError(ValueError):
     """A request model's check across fields, naming the field the client should change.
 

@@ -36,6 +36,7 @@ from router.api_keys import ApiKeys
 from router.cluster_view import ClusterView
 from router.control_plane import ProfileChangeRefused
 from router.errors import (
+    RequestTimedOut,
     bad_request,
     from_validation_error,
     model_not_found,
@@ -49,7 +50,7 @@ from router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from router.profiles import Profiles, client_mode
 from router.prompting import PromptBuilder
 from router.responses import ResponseShape
-from router.tenants import Tenants
+from router.tenants import ANONYMOUS, Tenants
 from workers.model_files import resolve_model_path  # makes a preset once per node, under a lock
 from workers.stream.client import worker_streams
 
@@ -131,7 +132,8 @@ class Router:
         limits = self.config.admission  # quotas per router replica (router/admission.py)
         self.admission = admission.Admission(
             Tenants.load(self.config.secrets.api_keys_path()).per_replica(self.config.router.num_replicas),
-            limits.max_concurrent_requests, limits.max_queued_requests, limits.queue_timeout_s)
+            limits.max_concurrent_requests, limits.max_queued_requests, limits.queue_timeout_s,
+            observer=self.metrics)
         self.source_id = f"router:{_replica_id()}"
         self.learner = PolicyLearner(self.config.router, self.metrics, self.source_id)
         self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
@@ -228,7 +230,8 @@ class Router:
             prefill_timeout_s=self.config.router.prefill_timeout_s,
             first_chunk_timeout_s=self.config.router.request_timeout_s,
             policy=self.learner.inputs(request_id, profile)) for i, (ids, _) in enumerate(prompts)]
-        calls = await _start_all(dispatch.Callers(self.handles, self.streams), self.view, drafts)
+        tenant = key.tenant if key else ANONYMOUS
+        calls = await self._start_calls(drafts, tenant, workload)
         for call in calls:
             self.metrics.record_route(call.route, call.reason, workload)
             self.metrics.record_worker_call(call.path)
@@ -244,11 +247,19 @@ class Router:
         if len(calls) == 1:
             placement = calls[0].placement
             learn = lambda ttft, tpot: self.learner.learn(placement, ttft, tpot)  # noqa: E731
-        timing = streaming.Timing(self.metrics, calls[0].route, workload, arrival, learn)
+        timing = streaming.Timing(self.metrics, calls[0].route, workload, arrival, learn, tenant=tenant)
         if req.stream:
             chunks = streaming.stream_sse(runs, shape, req.include_usage, timing)
             return StreamingResponse(chunks, media_type=sse.MEDIA_TYPE, headers={**sse.HEADERS, **headers})
         return await streaming.collect_json(runs, shape, timing, headers)
+
+    async def _start_calls(self, drafts: list, tenant: str, workload: str) -> list:
+        """Every draft's worker call, started; a time limit that ends one counts for `tenant`."""
+        try:
+            return await _start_all(dispatch.Callers(self.handles, self.streams), self.view, drafts)
+        except RequestTimedOut:
+            self.metrics.record_timeout(tenant, workload)
+            raise
 
     # ---- tokenizer --------------------------------------------------------------------
 

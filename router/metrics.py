@@ -17,10 +17,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from workers.metrics import LATENCY_BUCKETS, QUEUE_HELP, QUEUE_SECONDS
 from workers.ray_metrics import mirror_into_ray
 
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
-                   0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 ERROR_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)  # |predicted - measured| / measured
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 REQUEST_LABELS = ("model", "route", "workload")
@@ -34,6 +33,13 @@ METRIC_NAMES = (
     "pdc_prefix_cache_queries_total", "pdc_prefix_cache_hits_total",
     "pdc_kv_blocks_free", "pdc_kv_blocks_total",
     "pdc_num_requests_running", "pdc_num_requests_waiting",
+)
+# Names for diagnosing latency and refusals. Not in METRIC_NAMES, which every cluster shows
+# after ordinary traffic: the counters of 429s and timeouts have no series before the first
+# one, and the engine queue and preemptions appear once a worker has heartbeated.
+DIAGNOSIS_METRIC_NAMES = (
+    "pdc_num_preemptions_total", "pdc_request_queue_seconds",
+    "pdc_requests_rejected_total", "pdc_request_timeouts_total",
 )
 
 Snapshot = list[dict[str, Any]]
@@ -64,7 +70,26 @@ class RouterMetrics:
             "pdc_policy_correction_factor", "Measured / predicted, smoothed, that this router replica "
             "applies to predictions (1: the step model alone).",
             ("model", "router", "replica", "route", "metric"), registry=self.registry)
+        self.admission_queue = Histogram(QUEUE_SECONDS, QUEUE_HELP, ("model", "stage"),
+                                         registry=self.registry, buckets=LATENCY_BUCKETS)
+        self.rejected = Counter(
+            "pdc_requests_rejected", "429s the router answered, by tenant (`anonymous` without a keys "
+            "file) and code (rate_limit_exceeded, concurrency_limit_exceeded, server_overloaded)",
+            ("model", "tenant", "code"), registry=self.registry)
+        self.timeouts = Counter(
+            "pdc_request_timeouts", "Admitted requests a time limit ended (the workload's deadline_s, "
+            "or no first chunk within router.request_timeout_s), whatever the client received",
+            ("model", "tenant", "workload"), registry=self.registry)
         mirror_into_ray(self)  # the same recordings also reach Ray's Prometheus export
+
+    def observe_admission_wait(self, seconds: float) -> None:
+        self.admission_queue.labels(self.model, "admission").observe(seconds)
+
+    def record_rejected(self, tenant: str, code: str) -> None:
+        self.rejected.labels(self.model, tenant, code).inc()
+
+    def record_timeout(self, tenant: str, workload: str) -> None:
+        self.timeouts.labels(self.model, tenant, workload).inc()
 
     def record_route(self, route: str, reason: str, workload: str) -> None:
         self.route_decisions.labels(self.model, route, reason, workload).inc()

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from fastapi.responses import JSONResponse
 
 from router import dispatch, metrics, sse
-from router.errors import APIError
+from router.errors import APIError, RequestTimedOut
 from router.http_errors import error_response
 from router.responses import ChoiceState, ResponseShape
+from router.tenants import ANONYMOUS
 from workers.protocol import GenerateChunk
 
 log = logging.getLogger("pdcluster.router")
@@ -40,11 +41,14 @@ class Timing:
     A stream calls `record()` after it has handed the chunk on, so the metrics (a
     Prometheus and a Ray histogram each) never delay a token on its way to the client.
     `finish()` hands `on_finish` the request's TTFT and TPOT (mean gap after the first
-    token; None under two tokens), which the routing policy learns from."""
+    token; None under two tokens), which the routing policy learns from. `failed()` counts
+    a request a time limit ended, by its `tenant`."""
 
     def __init__(self, router_metrics: metrics.RouterMetrics, route: str, workload: str, arrival: float,
-                 on_finish: Callable[[float, float | None], None] | None = None) -> None:
+                 on_finish: Callable[[float, float | None], None] | None = None,
+                 tenant: str = ANONYMOUS) -> None:
         self.metrics, self.route, self.workload = router_metrics, route, workload
+        self.tenant = tenant
         self.arrival = arrival
         self.first: float | None = None
         self.last: float | None = None
@@ -68,6 +72,10 @@ class Timing:
             else:
                 self.metrics.observe_itl(self.route, self.workload, seconds)
         self._pending.clear()
+
+    def failed(self, error: APIError) -> None:
+        if isinstance(error, RequestTimedOut):
+            self.metrics.record_timeout(self.tenant, self.workload)
 
     def finish(self) -> None:
         self.record()
@@ -147,6 +155,7 @@ async def stream_sse(runs: list[PromptRun], shape: ResponseShape, include_usage:
                 prompt_ids_once = None
         async for run, chunk in merged_chunks(runs):
             if chunk.error is not None:
+                timing.failed(dispatch.worker_error(chunk.error))
                 yield sse.error_events({"error": chunk.error})
                 return
             if chunk.token_ids or chunk.text:
@@ -180,8 +189,9 @@ async def collect_json(runs: list[PromptRun], shape: ResponseShape, timing: Timi
     try:
         async for run, chunk in merged_chunks(runs):
             if chunk.error is not None:
-                status = dispatch.error_status(chunk.error)
-                return error_response(APIError.from_body(status, {"error": chunk.error}), headers)
+                error = dispatch.worker_error(chunk.error)
+                timing.failed(error)
+                return error_response(error, headers)
             if chunk.token_ids or chunk.text:
                 timing.content(max(1, len(chunk.token_ids)))
             shape.piece(_state_for(states, run, chunk, shape.n), chunk)

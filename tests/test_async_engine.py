@@ -132,11 +132,16 @@ class _DirectSink:
 
 def test_imported_kv_continues_like_local(tiny_model_dir, offline):
     """Tokens and text of the stream from imported KV are the local stream's; its first
-    chunk is the prefill replica's token with that token's text."""
+    chunk is the prefill replica's token with that token's text. Engine queue times come
+    from the engine that ran each prompt, never from the one that imported its KV."""
     prompt = PROMPTS[0]
     want = offline.generate([prompt], GREEDY)[0].token_ids
-    prefill = AsyncEngine(LLMEngine(str(tiny_model_dir), device="cpu", num_kv_blocks=64))
-    decode = AsyncEngine(LLMEngine(str(tiny_model_dir), device="cpu", num_kv_blocks=64))
+    prefill_waits: list[float] = []
+    decode_waits: list[float] = []
+    prefill = AsyncEngine(LLMEngine(str(tiny_model_dir), device="cpu", num_kv_blocks=64),
+                          on_queue_time=prefill_waits.append)
+    decode = AsyncEngine(LLMEngine(str(tiny_model_dir), device="cpu", num_kv_blocks=64),
+                         on_queue_time=decode_waits.append)
 
     async def main():
         _, want_text, _ = await collect(prefill.generate("l#0", prompt, GREEDY, seed=0))
@@ -154,6 +159,8 @@ def test_imported_kv_continues_like_local(tiny_model_dir, offline):
         assert decode.num_open_reservations == 0
         await wait_until(lambda: _no_requests(decode))
         await decode.check_integrity()
+        assert len(prefill_waits) == 2 and min(prefill_waits) >= 0  # the local run and the prefill
+        assert decode_waits == []
 
     try:
         asyncio.run(main())

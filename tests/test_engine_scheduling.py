@@ -34,6 +34,36 @@ def test_lowest_priority_is_preempted_when_blocks_run_out(make_engine):
     assert finish_order(engine) == ["important", "background"]
 
 
+def test_preemptions_reach_the_workers_counter_through_stats(make_engine):
+    from workers.metrics import WorkerMetrics
+
+    engine = make_engine(num_kv_blocks=10, block_size=4)
+    for i in range(2):
+        engine.add_request(f"r{i}", random_prompts([12], seed=i)[0], greedy(20, ignore_eos=True))
+    metrics = WorkerMetrics("tiny", "decode", "r1")
+    while engine.has_unfinished_requests():
+        engine.step()
+        metrics.update_from_stats(engine.stats())
+    num_preemptions = engine.stats()["num_preemptions"]
+    assert num_preemptions > 0
+    assert metrics.num_preemptions.labels("tiny", "decode", "r1")._value.get() == num_preemptions
+
+
+def test_first_output_says_how_long_the_prompt_waited_for_its_first_step(make_engine):
+    """Once per sequence prefilled here: not for its forks, nor again after a preemption."""
+    engine = make_engine(max_num_seqs=2, num_kv_blocks=10, block_size=4)  # 40 slots, 2 seats
+    for i, request_id in enumerate(("first", "second")):  # run out of blocks together: one is preempted
+        engine.add_request(request_id, random_prompts([12], seed=i)[0], greedy(20, ignore_eos=True))
+    engine.add_request("forks", random_prompts([4], seed=2)[0], SamplingParams(n=2, max_tokens=2))
+    reported = []
+    while engine.has_unfinished_requests():
+        reported += [(o.request_id, o.queue_s) for o in engine.step() if o.queue_s is not None]
+    assert engine.stats()["num_preemptions"] > 0
+    waits = dict(reported)
+    assert len(reported) == len(waits) == 3
+    assert 0 <= waits["first"] < waits["forks"]  # `forks` waited for two free seats
+
+
 def test_abort_frees_blocks_at_once_in_every_state(make_engine):
     engine = make_engine(max_num_seqs=1, enable_prefix_caching=False)
     engine.add_request("running", random_prompts([40])[0], greedy(50, ignore_eos=True))

@@ -144,6 +144,58 @@ def test_queue_timeout_and_client_leaving_while_queued():
     run(go())
 
 
+def _sample(m, name: str, **labels) -> float:
+    """One series of a RouterMetrics registry (0.0 when it has none yet)."""
+    from router.metrics import snapshot
+
+    return sum(v for f in snapshot(m.registry) for n, got, v in f["samples"]
+               if n == name and labels.items() <= got.items())
+
+
+def test_every_429_is_counted_by_tenant_and_code():
+    from router.metrics import RouterMetrics
+
+    m = RouterMetrics("tiny")
+
+    async def go():
+        adm = Admission(Tenants.parse(KEYS), 2, 0, 5.0, Clock(), observer=m)
+        for _ in range(2):
+            (await adm.acquire("solo")).release()
+        held = [await adm.acquire("nightly") for _ in range(2)]  # its quota, and every slot
+        for tenant in ("solo", "nightly", None):  # over its rate, its concurrency, no slot
+            with pytest.raises(APIError):
+                await adm.acquire(tenant)
+        for ticket in held:
+            ticket.release()
+
+    run(go())
+    rejected = "pdc_requests_rejected_total"
+    assert _sample(m, rejected, tenant="solo", code="rate_limit_exceeded") == 1
+    assert _sample(m, rejected, tenant="nightly", code="concurrency_limit_exceeded") == 1
+    assert _sample(m, rejected, tenant="anonymous", code="server_overloaded") == 1
+    assert _sample(m, rejected, model="tiny") == 3
+
+
+def test_admission_wait_is_observed_for_every_admitted_request():
+    from router.metrics import RouterMetrics
+
+    m = RouterMetrics("tiny")
+
+    async def go():
+        adm = Admission(Tenants.unlimited(), 1, 1, 5.0, observer=m)
+        running = await adm.acquire(None)
+        waiter = asyncio.create_task(adm.acquire(None))
+        await asyncio.sleep(0.05)
+        running.release()
+        (await waiter).release()
+
+    run(go())
+    queue = "pdc_request_queue_seconds"
+    assert _sample(m, f"{queue}_count", stage="admission") == 2
+    assert _sample(m, f"{queue}_bucket", stage="admission", le="0.001") == 1  # the first did not wait
+    assert 0.04 <= _sample(m, f"{queue}_sum", stage="admission") < 1.0
+
+
 def test_stream_holds_its_ticket_until_the_end():
     from fastapi.responses import JSONResponse, StreamingResponse
 

@@ -1,6 +1,7 @@
 """The fault-injection suite on the real app over real HTTP: auth, quotas and
-429s, limits, client disconnects, deadlines, corrupt and stalled KV transfers, a soak,
-secrets absent from every log, and decode / prefill replicas killed under load.
+429s, limits, client disconnects, deadlines (429s and deadlines counted on `/metrics` by
+tenant), corrupt and stalled KV transfers, a soak, secrets absent from every log, and
+decode / prefill replicas killed under load.
 
 One app (1 prefill + 2 decode replicas) serves the whole module; the tests that kill a
 replica run last. After every test an autouse fixture checks the invariants on every
@@ -195,6 +196,44 @@ def test_deadline_per_profile_aborts_everywhere(cluster, auth):
     assert overshoot < IDLE_TOLERANCE_S
     r = cluster.post("/v1/completions", json=completion(PROMPT, max_tokens=LONG, ignore_eos=True), headers=headers)
     assert r.status_code in (503, 504, 408) and r.json()["error"]["code"] == "deadline_exceeded", r.text
+
+
+def _samples(cluster, name: str) -> list[tuple[dict, float]]:
+    """(labels, value) of every sample named `name` on `/metrics`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = text_string_to_metric_families(cluster.get("/metrics").text)
+    return [(s.labels, s.value) for f in families for s in f.samples if s.name == name]
+
+
+def test_metrics_count_429s_and_timeouts_by_tenant(cluster, auth, secrets_):
+    """`/metrics` names the tenant of each 429 and of each request its deadline ended,
+    and shows both stages of the queue histogram and every replica's preemptions."""
+    limited = {"authorization": f"Bearer {secrets_.keys['limited']}"}  # rate 1/s, burst 2
+    codes = [cluster.post("/v1/completions", json=completion("hi", max_tokens=1), headers=limited).status_code
+             for _ in range(4)]
+    assert 429 in codes, codes
+    r = cluster.post("/v1/completions", json=completion(PROMPT, max_tokens=LONG, ignore_eos=True),
+                     headers={**auth, "x-workload": "tight"})
+    assert r.json()["error"]["code"] == "deadline_exceeded", r.text
+    wanted = {
+        "pdc_requests_rejected_total": {"tenant": "limited", "code": "rate_limit_exceeded"},
+        "pdc_request_timeouts_total": {"tenant": "main", "workload": "tight"},
+        "pdc_request_queue_seconds_count": {"stage": "admission"},
+    }
+    deadline = time.monotonic() + 15  # the other router replicas push theirs every 2 s
+    while True:
+        missing = {name: labels for name, labels in wanted.items()
+                   if not any(labels.items() <= got.items() and value > 0
+                              for got, value in _samples(cluster, name))}
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    assert not missing, missing
+    assert any(got["stage"] == "engine" and value > 0
+               for got, value in _samples(cluster, "pdc_request_queue_seconds_count"))
+    pools = {got["pool"] for got, _ in _samples(cluster, "pdc_num_preemptions_total")}
+    assert pools == {"decode", "prefill"}, pools
 
 
 def _greedy(cluster, auth, mode: str) -> httpx.Response:

@@ -299,7 +299,7 @@ def test_metrics_show_every_name_after_traffic(client):
     assert 'pool="decode"' in text and 'pool="prefill"' in text
     assert not any(s.startswith("pdc_") and s.split("_")[1] not in
                    ("time", "inter", "e2e", "route", "kv", "prefix", "num", "worker", "export", "prompt",
-                    "prediction", "policy") for s in samples)
+                    "prediction", "policy", "request", "requests") for s in samples)
     assert {"pdc_prediction_abs_pct_error_bucket", "pdc_policy_correction_factor"} <= samples, samples
 
 

@@ -501,6 +501,73 @@ def test_request_draft_writes_the_placement_into_the_request():
     assert request.params.yield_to_decode and request.params.max_tokens == 4 and request.deadline is None
 
 
+class _SilentStream(_FakeStream):
+    async def __anext__(self):
+        import asyncio
+
+        await asyncio.sleep(30)
+
+
+def _start(stream):
+    """`dispatch.start` on one decode replica whose call is `stream`; the error it raised."""
+    import asyncio
+
+    from router import dispatch
+    from router.cluster_view import ReplicaInfo
+
+    view = ClusterView(16, 8)
+    view.update([ReplicaInfo("d1", "decode")])
+    with pytest.raises(APIError) as e:
+        asyncio.run(dispatch.start(dispatch.Callers({"decode": _FakeHandle([stream])}), view,
+                                   _draft(first_chunk_timeout_s=0.05)))
+    assert view.inflight == {} and stream.cancelled
+    return e.value
+
+
+def test_a_time_limit_that_ends_a_call_is_a_request_timeout_and_nothing_else_is():
+    from router.errors import RequestTimedOut
+    from workers.protocol import GenerateChunk
+
+    def ending_with(code):
+        error = {"message": code, "type": "timeout_error", "param": None, "code": code}
+        return _FakeStream([GenerateChunk(finished=True, finish_reason="error", error=error, route="local")])
+
+    silent = _start(_SilentStream([]))  # no first chunk within router.request_timeout_s
+    assert isinstance(silent, RequestTimedOut)
+    assert (silent.status, silent.code) == (503, "service_unavailable")  # what clients always saw
+    deadline = _start(ending_with("deadline_exceeded"))
+    assert isinstance(deadline, RequestTimedOut) and (deadline.status, deadline.code) == (503, "deadline_exceeded")
+    for other in (_start(_FakeStream([])), _start(ending_with("replica_failed"))):
+        assert not isinstance(other, RequestTimedOut) and other.status == 503
+
+
+def test_a_deadline_mid_response_counts_one_timeout_for_the_tenant_and_workload():
+    import asyncio
+
+    from router import streaming
+    from workers.protocol import GenerateChunk
+
+    def chunks(code):
+        error = {"message": code, "type": "timeout_error", "param": None, "code": code}
+        return [GenerateChunk(token_ids=[5], text="a", route="local", reason="short-prompt"),
+                GenerateChunk(finished=True, finish_reason="error", error=error)]
+
+    async def respond(m, stream, code):
+        timing = streaming.Timing(m, "local", "chat", 0.0, tenant="alpha")
+        runs = _runs(ClusterView(16, 8), chunks(code))
+        if stream:
+            return [e async for e in streaming.stream_sse(runs, _shape(), False, timing)]
+        return await streaming.collect_json(runs, _shape(), timing, {})
+
+    m = metrics.RouterMetrics("tiny")
+    for stream in (True, False):
+        asyncio.run(respond(m, stream, "deadline_exceeded"))
+        asyncio.run(respond(m, stream, "replica_failed"))
+    samples = [s for f in metrics.snapshot(m.registry) for s in f["samples"]
+               if s[0] == "pdc_request_timeouts_total"]
+    assert samples == [["pdc_request_timeouts_total", {"model": "tiny", "tenant": "alpha", "workload": "chat"}, 2.0]]
+
+
 def _count(m: metrics.RouterMetrics, name: str) -> float:
     return sum(s[2] for f in metrics.snapshot(m.registry) for s in f["samples"] if s[0] == f"{name}_count")
 

@@ -54,3 +54,25 @@ def test_a_decode_replicas_transport_counters_reach_prometheus():
     assert got[("pdc_kv_transfer_rejections_total", (model, ("reason", "checksum")))] == 1
     assert got[("pdc_kv_received_bytes_total", (model, ("path", "tcp")))] == 400
     assert got[("pdc_kv_received_bytes_total", (model, ("path", "shm")))] == 50
+
+
+def test_preemptions_are_shown_per_replica_from_zero_and_never_go_back():
+    m = WorkerMetrics("tiny", "decode", "r4")
+    key = ("pdc_num_preemptions_total", (("model", "tiny"), ("pool", "decode"), ("replica", "r4")))
+    assert _samples(m)[key] == 0  # before any heartbeat: none is a finding too
+    for num_preemptions in (3, 3, 5):
+        m.update_from_stats({"num_preemptions": num_preemptions})
+    assert _samples(m)[key] == 5
+    m.update_from_stats({"num_preemptions": 1})  # a smaller figure never subtracts
+    assert _samples(m)[key] == 5
+
+
+def test_engine_queue_times_are_the_engine_stage_of_the_queue_histogram():
+    m = WorkerMetrics("tiny", "prefill", "r5")
+    m.observe_engine_queue(0.0)
+    m.observe_engine_queue(0.3)
+    got = _samples(m)
+    labels = (("model", "tiny"), ("stage", "engine"))
+    assert got[("pdc_request_queue_seconds_count", labels)] == 2
+    assert got[("pdc_request_queue_seconds_sum", labels)] == 0.3
+    assert got[("pdc_request_queue_seconds_bucket", (("le", "0.001"), *labels))] == 1

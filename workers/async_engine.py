@@ -68,9 +68,13 @@ class _Stream:
 class AsyncEngine:
     """The `LLMEngine` for asyncio callers, and the `KVTarget` a worker's receiver writes into."""
 
-    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.5) -> None:
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.5, *,
+                 on_queue_time: Callable[[float], None] | None = None) -> None:
+        """`on_queue_time`: called on the event loop with each sequence's engine queue time
+        (`RequestOutput.queue_s`) as its first output is read, for sequences prefilled here."""
         self.engine = engine
         self.idle_wait_s = idle_wait_s
+        self.on_queue_time = on_queue_time
         self._calls: deque[_Call] = deque()
         self._streams: dict[str, _Stream] = {}
         self._open_transfer_ids: set[str] = set()  # reservations neither committed nor cancelled
@@ -257,6 +261,7 @@ class AsyncEngine:
         index = stream.backlog[0].index
         items = [item for item in stream.backlog if item.index == index]
         stream.backlog = deque(item for item in stream.backlog if item.index != index)
+        self._report_queue_times(items)
         chunk = GenerateChunk(index=index)
         for item in items:
             chunk.token_ids += item.new_token_ids
@@ -268,6 +273,13 @@ class AsyncEngine:
             chunk.num_prompt_tokens = len(item.prompt_token_ids)
             chunk.num_cached_tokens = item.num_cached_tokens
         return chunk
+
+    def _report_queue_times(self, outputs: list[RequestOutput]) -> None:
+        if self.on_queue_time is None:
+            return
+        for output in outputs:
+            if output.queue_s is not None:
+                self.on_queue_time(output.queue_s)
 
     def _abort_quietly(self, request_id: str) -> None:
         try:

@@ -40,8 +40,9 @@ class EngineWorker:
         logging.getLogger("pdcluster").setLevel(self.config.log_level)
         self.control_plane = control_plane
         self.replica_id, self.node_id = _replica_identity()
-        self.engine = AsyncEngine(await asyncio.to_thread(self._build_engine))
         self.metrics = WorkerMetrics(self.config.model.served_name, self.role, self.replica_id)
+        self.engine = AsyncEngine(await asyncio.to_thread(self._build_engine),
+                                  on_queue_time=self.metrics.observe_engine_queue)
         self.num_inflight = 0
         self._heartbeat_task: asyncio.Task | None = None
         self._closed = False

@@ -78,4 +78,5 @@ def _merge(outputs: list[RequestOutput], index: int) -> RequestOutput:
     logprobs = None if last.logprobs is None else [lp for o in outputs for lp in o.logprobs or []]
     return dataclasses.replace(
         last, new_token_ids=[t for o in outputs for t in o.new_token_ids], text="".join(o.text for o in outputs),
-        logprobs=logprobs, prompt_logprobs=outputs[0].prompt_logprobs, index=index)
+        logprobs=logprobs, prompt_logprobs=outputs[0].prompt_logprobs, index=index,
+        queue_s=outputs[0].queue_s)

@@ -307,12 +307,13 @@ class LLMEngine:
         return RequestOutput(seq.request_id, new_token_ids, list(seq.output_token_ids), seq.is_finished,
                              seq.finish_reason, text, seq.prompt_token_ids, seq.num_cached_tokens,
                              logprobs=list(logprobs) if seq.params.logprobs is not None else None,
-                             prompt_logprobs=self._prompt_logprobs(seq, new_token_ids), index=seq.index)
+                             prompt_logprobs=self._prompt_logprobs(seq, new_token_ids), index=seq.index,
+                             queue_s=seq.queue_s if _is_first(seq, new_token_ids) else None)
 
     @staticmethod
     def _prompt_logprobs(seq: Sequence, new_token_ids: list[int]) -> list[TokenLogprob | None] | None:
         """A sequence's prompt logprobs go with its first token only."""
-        return seq.prompt_logprobs if len(seq.output_token_ids) == len(new_token_ids) == 1 else None
+        return seq.prompt_logprobs if _is_first(seq, new_token_ids) else None
 
     def _record_step(self, batch: list[ScheduledSeq], start_time: float, stamps: list[float]) -> None:
         """`stamps`: perf_counter at the step's start and at the end of each phase that ran."""
@@ -484,6 +485,11 @@ class LLMEngine:
             assert len(queued) == len(self.requests), "a request is queued twice"
             tables = [s.block_ids for s in queued] + [r.block_ids for r in self.reservations.values()]
             self.block_manager.check_integrity(tables)
+
+
+def _is_first(seq: Sequence, new_token_ids: list[int]) -> bool:
+    """The output that reports `seq`'s first token."""
+    return len(seq.output_token_ids) == len(new_token_ids) == 1
 
 
 def _scored(parent: Sequence, logits: torch.Tensor, token_id: int, logprob: TokenLogprob | None,

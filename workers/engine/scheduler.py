@@ -19,6 +19,7 @@ forks at its first token, and its forks must not wait behind requests that came 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from workers.engine.block_manager import BlockManager
@@ -167,6 +168,8 @@ class Scheduler:
                 self.block_manager.record_query(seq.num_tokens, seq.num_cached_tokens)
             self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
+            if is_fresh and seq.first_scheduled_time is None:  # not a recompute after preemption
+                seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new

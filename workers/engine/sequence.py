@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -46,6 +47,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     arrival: int = field(default_factory=lambda: next(_arrival_counter))
+    arrival_time: float = field(default_factory=time.monotonic)  # when it entered the engine
+    # When a step first scheduled its prompt here (None: not yet, or its KV came from elsewhere).
+    first_scheduled_time: float | None = None
     # With `params.prompt_logprobs`: the prompt's entries computed so far ([None] for the
     # first token, then one per computed position), until the first output reports them.
     prompt_logprobs: list[TokenLogprob | None] | None = None
@@ -79,6 +83,11 @@ class Sequence:
         """Sorts first whoever is admitted first and preempted last: foreground before
         background (`yield_to_decode`), then higher priority, then FCFS."""
         return (self.params.yield_to_decode, -self.params.priority, self.arrival)
+
+    @property
+    def queue_s(self) -> float | None:
+        """Seconds from entering the engine to the step that first scheduled its prompt."""
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
 
     @property
     def is_decoding(self) -> bool:
@@ -140,3 +149,5 @@ class RequestOutput:
     # token, None for the first (nothing precedes it).
     prompt_logprobs: list[TokenLogprob | None] | None = None
     index: int = 0  # which of the request's `n` (or `best_of`) sequences this is
+    # On the first output of a sequence whose prompt ran here: `Sequence.queue_s`.
+    queue_s: float | None = None
