@@ -37,6 +37,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "cluster.serve_cli", "cluster.loadtest.cli", "cluster.local.demo", "cluster.bench.engine_cli",
     "cluster.bench.transport_cli", "cluster.bench.cluster", "cluster.bench.router_overhead_cli",
     "cluster.bench.api_cli", "cluster.bench.policy_cli", "cluster.bench.plan", "cluster.plan.cli",
+    "cluster.doctor.cli", "cluster.experiment.cli",
 )
 
 

@@ -12,7 +12,15 @@ def run_loadtest(config: LoadTestConfig, on_record: OnRecord | None = None) -> S
     """Run the load test `config` describes; write its report to `config.out_dir` if set.
     A sweep returns the summary of the highest rate meeting the SLO (else its last rate),
     with the whole sweep in `env["sweep"]`. With `save_steps`, the deployment's step and
-    KV transfer records over the run go beside it (`cluster/plan/live.py`)."""
+    KV transfer records over the run go beside it (`cluster/plan/live.py`); with
+    `save_metrics`, the server's `/metrics` over the run (`server_metrics.py`)."""
+    if config.save_metrics:
+        from dataclasses import replace
+
+        from cluster.loadtest.server_metrics import recording_metrics
+
+        with recording_metrics(config.url, config.out_dir):
+            return run_loadtest(replace(config, save_metrics=False), on_record)
     if config.save_steps:
         from cluster.plan.live import saving_steps
 

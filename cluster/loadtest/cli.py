@@ -58,6 +58,8 @@ def loadtest_cmd(
     save_steps: bool = typer.Option(False, "--save-steps", help="Also write the deployment's step and KV transfer "
                                     "records over the run (GET /admin/steps, token from PDC_ADMIN_TOKEN) as "
                                     "steps.jsonl and transfers.jsonl, for `pdcluster plan calibrate --run`."),
+    save_metrics: bool = typer.Option(False, "--save-metrics", help="Also sample the server's /metrics over the "
+                                      "run into the folder, for `pdcluster doctor --run`."),
 ) -> None:
     """Drive an OpenAI-compatible endpoint and report TTFT, TPOT, ITL, E2E, goodput, routes."""
     from cluster.loadtest.api import run_loadtest
@@ -71,6 +73,7 @@ def loadtest_cmd(
             seed=seed, prompt_salt=prompt_salt, model=model, endpoint=endpoint, api_key=api_key, slo=SLO.parse(slo), clients=clients,
             mode=mode, headers=_parse_headers(header), stream=stream, prompt_format=prompt_format,
             timeout_s=timeout, progress=True, plots=plots, sweep_points=sweep_points, save_steps=save_steps,
+            save_metrics=save_metrics,
         )
         summary = run_loadtest(config)
     except (ValueError, RuntimeError) as e:

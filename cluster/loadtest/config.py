@@ -75,6 +75,7 @@ class LoadTestConfig:
     # replaces the first characters of every request's first message: the same lengths and
     # arrivals as an unsalted run of this seed, but no prefix-cache hit on a run salted otherwise
     prompt_salt: str | None = None
+    save_metrics: bool = False  # sample the server's /metrics over the run into out_dir (server_metrics.py)
 
     def __post_init__(self) -> None:
         shapes = [self.rate is not None, self.concurrency is not None, self.ramp is not None,
@@ -93,6 +94,7 @@ class LoadTestConfig:
         _check(self.duration_s is None or self.duration_s > 0, "--duration must be > 0")
         _check(self.num_requests is None or self.num_requests >= 1, "--num-requests must be >= 1")
         _check(not self.save_steps or self.out_dir is not None, "--save-steps needs --out")
+        _check(not self.save_metrics or self.out_dir is not None, "--save-metrics needs --out")
         self.url = self.url.rstrip("/")
 
     @property
