@@ -11,6 +11,7 @@ shape (`kind_of`) and loaded by the code that reads that kind of file:
 | RayService | `kind: RayService` | its `serveConfigV2` as a Serve config |
 | workload file | a list of requests, or `workload: NAME` plus overrides | `cluster.loadtest.workloads.load_file` |
 | API keys file | `keys:`, `tenants:`, `default:` | `router.tenants.Tenants.parse` |
+| experiment file | `variants:` and `workloads:` | `cluster.experiment.spec.load_spec` |
 | not config | `kind:` one of `NOT_CONFIG_KINDS` | YAML only (tests/test_manifests.py checks their Kubernetes schemas) |
 
 The deep checks of the manifests (placement, secrets wiring, building the app) live in
@@ -35,6 +36,7 @@ NOT_CONFIG_KINDS = frozenset({"Secret", "Service", "ConfigMap", "PersistentVolum
                               "PodMonitor", "ServiceMonitor"})
 API_KEYS_FILE_KEYS = frozenset({"keys", "tenants", "default"})
 CLUSTER_CONFIG_KEYS = frozenset(ClusterConfig.model_fields) | {"config_file"}
+EXPERIMENT_FILE_KEYS = frozenset({"variants", "workloads"})
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,8 @@ def kind_of(data) -> str | None:
         return "workload file"
     if data and set(data) <= API_KEYS_FILE_KEYS:
         return "API keys file"
+    if EXPERIMENT_FILE_KEYS <= set(data):
+        return "experiment file"
     if set(data) <= CLUSTER_CONFIG_KEYS:
         return "cluster config"
     return None
@@ -119,6 +123,14 @@ def load_api_keys_file(data: dict) -> None:
     Tenants.parse(data, "API keys file")
 
 
+def load_experiment_file(data: dict, folder: Path) -> None:
+    from cluster.experiment.spec import load_spec
+
+    path = folder / "experiment.yaml"
+    path.write_text(yaml.safe_dump(data))
+    load_spec(path)
+
+
 def load(kind: str, data, folder: Path) -> None:
     if kind == "cluster config":
         load_config(data)
@@ -130,6 +142,8 @@ def load(kind: str, data, folder: Path) -> None:
         load_workload_file(data, folder)
     elif kind == "API keys file":
         load_api_keys_file(data)
+    elif kind == "experiment file":
+        load_experiment_file(data, folder)
     else:
         assert kind == "not config"
 
@@ -154,7 +168,22 @@ def test_every_yaml_shown_loads_through_its_schema(snippet, tmp_path, monkeypatc
 
 def test_snippets_are_found():
     sources = {s.source.split(":")[0] for s in SNIPPETS}
-    assert {"docs/transport.md", "docs/loadtest.md", "manifests/rayservice.yaml"} <= sources
+    assert {"docs/transport.md", "docs/loadtest.md", "docs/experiment.md", "manifests/rayservice.yaml"} <= sources
+
+
+def test_the_experiment_quickstart_is_self_contained():
+    """docs/experiment.md's first block is meant to be saved and run as it is: an experiment
+    file with the local deployment's URL, its samples inline and no path to another file."""
+    from cluster.experiment.spec import ExperimentSpec
+    from cluster.loadtest.workloads import BUILTIN_NAMES
+
+    first = next(s for s in doc_snippets() if s.source.startswith("docs/experiment.md"))
+    data = yaml.safe_load(first.text)
+    assert kind_of(data) == "experiment file", first.source
+    spec = ExperimentSpec.model_validate(data)
+    assert spec.url == "http://127.0.0.1:8000", first.source
+    assert spec.samples and spec.samples_file is None, first.source
+    assert all(w.load in BUILTIN_NAMES and w.trace is None for w in spec.workloads), first.source
 
 
 def test_the_transport_docs_show_every_option_at_its_default():
