@@ -232,10 +232,29 @@ def test_pool_imbalance():
     assert found[0].numbers["replicas"] == {"prefill": 1, "decode": 1}
     assert _symptoms(S.pool_imbalance(Evidence(window=_pools(0, 0, 5, 16)))) == ["decode-saturated"]
     assert S.pool_imbalance(Evidence(window=_pools(0, 1, 0, 4))) == []
-    assert S.pool_imbalance(Evidence(window=_pools(4, 2, 0, 12))) == []  # decode busy too
-    # decode idle relative to max_num_seqs known from the engine
-    assert _symptoms(S.pool_imbalance(Evidence(window=_pools(4, 2, 0, 12), engine={"max_num_seqs": 64}))) \
+    assert S.pool_imbalance(Evidence(window=_pools(4, 2, 3, 12))) == []  # both pools wait: no single culprit
+
+
+def _routed(reasons: dict[str, int], decode_waiting: float = 0.0):
+    p, d = {"pool": "prefill", "replica": "p1"}, {"pool": "decode", "replica": "d1"}
+    fams = {"pdc_num_requests_waiting": [(p, 0.0), (d, decode_waiting)],
+            "pdc_num_requests_running": [(p, 1.0), (d, 2.0)]}
+    text = "".join(f'pdc_route_decisions_total{{model="m",route="local",reason="{r}",workload="w"}} {n}\n'
+                   for r, n in reasons.items())
+    return _window(text, gauges=_gauges(fams, fams))
+
+
+def test_pool_imbalance_from_requests_routed_around_a_busy_pool():
+    spilled = S.pool_imbalance(Evidence(window=_routed({"prefill-busy": 6, "long-prompt": 4})))
+    assert _symptoms(spilled) == ["prefill-saturated"]
+    assert spilled[0].numbers["routed_around"]["prefill"] == pytest.approx(0.6)
+    assert _symptoms(S.pool_imbalance(Evidence(window=_routed({"decode-busy": 5, "short-prompt": 5})))) \
+        == ["decode-saturated"]
+    # both busy: the pool routed around at least twice as often is named, else none
+    assert _symptoms(S.pool_imbalance(Evidence(window=_routed({"prefill-busy": 6, "long-prompt": 4}, 2.0)))) \
         == ["prefill-saturated"]
+    assert S.pool_imbalance(Evidence(window=_routed({"prefill-busy": 3, "decode-busy": 2, "x": 5}, 2.0))) == []
+    assert S.pool_imbalance(Evidence(window=_routed({"prefill-busy": 1, "long-prompt": 9}))) == []
     assert S.pool_imbalance(Evidence(window=_window(gauges=_gauges({})))) == []  # one sample: no judgment
 
 

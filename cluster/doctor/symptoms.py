@@ -21,11 +21,11 @@ KV_FREE_FLOOR = 0.05  # a pool with under 5% of its blocks free cannot grow its 
 ROUTE_MIN_REQUESTS = 5  # per route, for a comparison
 DISAGG_SLOWER_RATIO = 1.2  # disaggregated TTFT / local TTFT on prompts of the same lengths
 DISAGG_SLOWER_RATIO_UNMATCHED = 1.5  # the same from metrics alone (prompt lengths unknown)
-MISROUTED_SHARE = 0.5
+MISROUTED_SHARE = 0.5  # of disaggregated requests with short prompts
+CROWDED_SHARE = 0.25  # of long local prefills that ran beside busy streams
 BUSY_STREAMS = 2  # streams decoding beside a local prefill that it stalls
 POOL_BUSY_WAITING = 1.0  # mean requests waiting in a pool
-POOL_IDLE_SHARE = 0.25  # of the pool's max_num_seqs
-POOL_IDLE_STREAMS = 2.0  # per replica, when max_num_seqs is unknown
+POOL_BUSY_ROUTED = 0.20  # of route decisions sent around a pool because it was busy
 TRANSFER_SHARE = 0.65  # mean KV transfer time / mean disaggregated TTFT (about half is usual on one CPU node)
 QUEUE_SHARE = 0.50  # mean queue time / mean TTFT
 FAILURE_SHARE = 0.01  # timeouts or 429s: at least this share of requests (and one)
@@ -238,7 +238,7 @@ def long_prompts_beside_streams(ev: Evidence) -> list[Finding]:
         limit = ev.max_local_beside_streams(workload)
         long_local = [r for r in records if r.route == "local" and (r.prompt_tokens or 0) >= limit]
         crowded = [r for r in long_local if _streams_at(ev.records, r.sent_at_s, r) >= BUSY_STREAMS]
-        if len(crowded) < 3 or len(crowded) < MISROUTED_SHARE * len(long_local):
+        if len(crowded) < 3 or len(crowded) < CROWDED_SHARE * len(long_local):
             continue
         findings.append(Finding(
             "long-prompts-beside-streams", "Long prompts are prefilled beside busy streams",
@@ -262,32 +262,48 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
+def _reason_shares(ev: Evidence) -> dict[str, float]:
+    by_reason = ev.window.counter_by("pdc_route_decisions", "reason")
+    total = sum(by_reason.values())
+    return {reason: n / total for reason, n in by_reason.items()} if total else {}
+
+
+def _busier(busy: dict[str, bool], routed: dict[str, float]) -> str | None:
+    """The one busy pool; of two busy pools, the one routed around at least twice as often."""
+    if busy["prefill"] != busy["decode"]:
+        return "prefill" if busy["prefill"] else "decode"
+    if busy["prefill"]:
+        for pool, other in (("prefill", "decode"), ("decode", "prefill")):
+            if routed[pool] >= POOL_BUSY_ROUTED and routed[pool] >= 2 * routed[other]:
+                return pool
+    return None
+
+
 def pool_imbalance(ev: Evidence) -> list[Finding]:
+    """A pool is busy when requests wait in it, or when the router keeps routing around it
+    (`prefill-busy`: prompts spilled to decode replicas; `decode-busy`: no decode room)."""
     if ev.window is None or len(ev.window.gauges) < 2:
         return []
     waiting = {p: _mean(ev.window.gauge("pdc_num_requests_waiting", pool=p)) for p in ("prefill", "decode")}
     running = {p: _mean(ev.window.gauge("pdc_num_requests_running", pool=p)) for p in ("prefill", "decode")}
     replicas = {p: _replicas(ev, p) for p in ("prefill", "decode")}
-    numbers = {"mean_waiting": waiting, "mean_running": running, "replicas": replicas}
-    seqs = ev.max_num_seqs()
-    idle_decode = running["decode"] <= (POOL_IDLE_SHARE * seqs if seqs else POOL_IDLE_STREAMS) * max(replicas["decode"], 1)
-    if replicas["prefill"] and waiting["prefill"] >= POOL_BUSY_WAITING and waiting["decode"] < POOL_BUSY_WAITING \
-            and idle_decode:
-        return [Finding(
-            "prefill-saturated", "Prefill pool saturated while decode idles",
-            f"{waiting['prefill']:.1f} requests waiting on average in the prefill pool ({replicas['prefill']} "
-            f"replicas) while the decode pool ran {running['decode']:.1f} streams ({replicas['decode']} replicas).",
-            "Shift capacity to prefill (more prefill replicas or fewer decode), let `auto` prefill more locally, "
-            "or size the P:D split with `pdcluster plan`.", numbers)]
-    prefill_idle = waiting["prefill"] + running["prefill"] < 0.2
-    if replicas["prefill"] and waiting["decode"] >= POOL_BUSY_WAITING and prefill_idle:
-        return [Finding(
-            "decode-saturated", "Decode pool saturated while prefill idles",
-            f"{waiting['decode']:.1f} requests waiting on average in the decode pool ({replicas['decode']} "
-            f"replicas, {running['decode']:.1f} running) while the prefill pool held {running['prefill']:.1f}.",
-            "Shift capacity to decode (more decode replicas or fewer prefill), disaggregate more so prompts "
-            "leave the decode replicas, or size the P:D split with `pdcluster plan`.", numbers)]
-    return []
+    shares = _reason_shares(ev)
+    busy = {p: waiting[p] >= POOL_BUSY_WAITING or shares.get(f"{p}-busy", 0.0) >= POOL_BUSY_ROUTED
+            for p in ("prefill", "decode")}
+    numbers = {"mean_waiting": waiting, "mean_running": running, "replicas": replicas,
+               "routed_around": {p: round(shares.get(f"{p}-busy", 0.0), 3) for p in ("prefill", "decode")}}
+    full = _busier(busy, {p: shares.get(f"{p}-busy", 0.0) for p in ("prefill", "decode")})
+    if not replicas["prefill"] or full is None:
+        return []
+    idle = "decode" if full == "prefill" else "prefill"
+    return [Finding(
+        f"{full}-saturated", f"{full.capitalize()} pool saturated while {idle} has more room",
+        f"{full} pool ({replicas[full]} replicas): {waiting[full]:.1f} requests waiting on average and "
+        f"{shares.get(f'{full}-busy', 0.0):.0%} of requests routed around it ({full}-busy); the {idle} pool "
+        f"({replicas[idle]} replicas) ran {running[idle]:.1f} on average with {waiting[idle]:.1f} waiting.",
+        f"Shift capacity to {full} (more {full} replicas or fewer {idle}); "
+        + ("let `auto` prefill more locally; " if full == "prefill" else "disaggregate more prompts; ")
+        + "size the P:D split with `pdcluster plan`.", numbers)]
 
 
 # ---- latency shares -----------------------------------------------------------------------

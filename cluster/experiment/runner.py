@@ -5,6 +5,7 @@ end (also on Ctrl-C, a failed run or a lost connection)."""
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ class Experiment:
     snapshot: dict[str, dict[str, Any]] = field(default_factory=dict)
     results: list[RunResult] = field(default_factory=list)
     stopped: str | None = None  # why the experiment ended early
+    nonce: str = field(default_factory=lambda: secrets.token_hex(4))  # fresh prompt bytes per experiment
 
     def keys(self) -> list[RunKey]:
         return run_order(self.spec)
@@ -132,14 +134,14 @@ def wait_visible(url: str, version: int) -> None:
 
 
 def _loadtest_config(spec: ExperimentSpec, url: str, workload: WorkloadRef, client: Client, key: RunKey,
-                     out_dir: Path):
+                     out_dir: Path, nonce: str = ""):
     from cluster.loadtest.config import SLO, LoadTestConfig
 
     return LoadTestConfig(
         url=url, out_dir=out_dir, workload=workload.load, rate=spec.rate, concurrency=spec.concurrency,
         trace=Path(workload.trace) if workload.trace else None, seed=spec.seed,
         endpoint=client.endpoint or spec.endpoint, slo=SLO(**spec.slo.model_dump()), mode=client.mode,
-        headers={"x-workload": workload.name, **client.headers}, prompt_salt=run_salt(spec.seed, key.index),
+        headers={"x-workload": workload.name, **client.headers}, prompt_salt=run_salt(f"{spec.seed}:{nonce}", key.index),
         timeout_s=spec.request_timeout_s, progress=False, plots=False, save_metrics=True, **spec.bound())
 
 
@@ -157,7 +159,7 @@ def run_one(exp: Experiment, profiles: Profiles, key: RunKey, journal: Journal) 
             wait_visible(exp.url, profiles.apply(key.workload, profile))
         client = client_for(spec, key.variant)
         journal.write("run_start", run=key.folder, workload=key.workload, variant=key.variant, repeat=key.repeat)
-        config = _loadtest_config(spec, exp.url, workload, client, key, result.out_dir)
+        config = _loadtest_config(spec, exp.url, workload, client, key, result.out_dir, exp.nonce)
         summary = run_loadtest(config)
         result.records = load_records(result.out_dir)
         result.samples = _send_samples(exp, key, client, summary.env.get("model"))

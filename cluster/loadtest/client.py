@@ -148,6 +148,7 @@ async def send_request(
     record.target_prompt_len, record.target_output_len = spec.prompt_len, spec.output_len
     record.prompt_block_hashes = prompt_block_hashes(spec.prompt)
     headers = {"x-workload": spec.workload, **target.headers, "x-request-id": f"{target.run_id}{spec.request_id}"}
+    record.workload = headers["x-workload"]  # the profile the server was asked for (a --header may override)
     body = build_body(spec, target, caps)
     start = time.perf_counter()
     record.sent_at_s = start - base

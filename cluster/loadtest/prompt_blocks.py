@@ -39,7 +39,8 @@ def salted(spec: RequestSpec, salt: str) -> RequestSpec:
     return replace(spec, messages=(first, *spec.messages[1:]))
 
 
-def run_salt(seed: int, run_index: int) -> str:
-    """A deterministic salt of `SALT_CHARS` lowercase letters for one run of a series."""
+def run_salt(seed: int | str, run_index: int) -> str:
+    """A deterministic salt of `SALT_CHARS` lowercase letters for one run of a series
+    (`seed` may carry a per-series nonce, so another series never repeats its bytes)."""
     digest = hashlib.blake2b(f"{seed}:{run_index}".encode(), digest_size=SALT_CHARS).digest()
     return "".join(chr(ord("a") + b % 26) for b in digest)
