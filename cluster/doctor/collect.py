@@ -81,6 +81,7 @@ def collect(url: str, run_dir: Path | None = None, window_s: float = 10.0, token
         ev.profiles = (workloads or {}).get("workloads")
         steps = _admin(client, url, "/admin/steps?limit=0", token, ev.notes)
         ev.engine = (steps or {}).get("engine")
+        ev.policy = _admin(client, url, "/admin/policy", token, ev.notes)
     if not token:
         ev.notes.append("no admin token (PDC_ADMIN_TOKEN): profile thresholds assumed at their defaults")
     return ev

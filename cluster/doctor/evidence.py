@@ -19,6 +19,7 @@ class Evidence:
     health: dict[str, Any] | None = None
     profiles: dict[str, dict] | None = None  # name -> profile (admin API)
     engine: dict[str, Any] | None = None  # the router's engine settings (max_num_seqs, block_size)
+    policy: dict[str, Any] | None = None  # the routing policy's own view (GET /admin/policy)
     records: list[RequestRecord] = field(default_factory=list)
     source: str = ""  # what the window is: "live, 10 s" or the run folder
     notes: list[str] = field(default_factory=list)  # what could not be read, and why

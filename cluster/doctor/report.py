@@ -11,7 +11,7 @@ from cluster.doctor.symptoms import Finding
 def as_json(findings: list[Finding], ev: Evidence) -> dict[str, Any]:
     return {"source": ev.source, "status": (ev.health or {}).get("status"),
             "findings": [f.to_json() for f in findings], "notes": ev.notes,
-            "requests_in_run": len(ev.records) or None}
+            "requests_in_run": len(ev.records) or None, "profiles": ev.profiles, "policy": ev.policy}
 
 
 def as_markdown(findings: list[Finding], ev: Evidence) -> str:

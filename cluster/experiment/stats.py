@@ -52,6 +52,21 @@ def _rate(values: np.ndarray, duration_s: float) -> float:
     return float(np.nansum(values)) / duration_s if duration_s > 0 else float("nan")
 
 
+def _gaps(records: Sequence[RequestRecord], slo: SLO) -> np.ndarray:
+    """Each request's inter-token gaps (an object array: resampling keeps a request's gaps together)."""
+    out = np.empty(len(records), dtype=object)
+    for i, r in enumerate(records):
+        out[i] = np.asarray(r.itl_s if r.ok else (), dtype=float)
+    return out
+
+
+def _pooled_pct(q: float) -> Callable[[np.ndarray, float], float]:
+    def reduce(values: np.ndarray, duration_s: float) -> float:
+        gaps = np.concatenate(list(values)) if values.size else np.array([])
+        return float(np.percentile(gaps, q)) * 1000.0 if gaps.size else float("nan")
+    return reduce
+
+
 def _ttft(r): return r.ttft_s if r.ok else None
 def _tpot(r): return r.tpot_s
 def _e2e(r): return r.e2e_s if r.ok else None
@@ -63,6 +78,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("ttft_p99_ms", True, False, _per_request(_ttft), _pct(99)),
     Metric("tpot_p50_ms", True, False, _per_request(_tpot), _pct(50)),
     Metric("tpot_p90_ms", True, False, _per_request(_tpot), _pct(90)),
+    Metric("itl_p50_ms", True, False, _gaps, _pooled_pct(50)),
+    Metric("itl_p99_ms", True, False, _gaps, _pooled_pct(99)),
     Metric("e2e_p50_ms", True, False, _per_request(_e2e), _pct(50)),
     Metric("e2e_p90_ms", True, False, _per_request(_e2e), _pct(90)),
     Metric("goodput_fraction", False, True, lambda rs, slo: np.array([float(meets_slo(r, slo)) for r in rs]), _fraction),
