@@ -56,10 +56,14 @@ class TokenTexts:
 
 
 def completion_logprobs(texts: TokenTexts, token_ids: list[int], entries: list[TokenLogprob | None],
-                        text_offset: int = 0) -> dict[str, Any]:
+                        text_offset: int = 0, with_ids: bool = False) -> dict[str, Any]:
     """The completions shape for `token_ids` (an entry of None: no logprob, as for an
-    echoed prompt's first token); offsets count from `text_offset`."""
+    echoed prompt's first token); offsets count from `text_offset`. `with_ids` (a request
+    with `return_token_ids`) adds `top_logprob_ids`: each token's candidates as `[id,
+    logprob]` pairs, which keeps candidates whose texts are equal apart."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    if with_ids:
+        out["top_logprob_ids"] = [None if e is None else [[i, lp] for i, lp in e.top] for e in entries]
     for token_id, entry in zip(token_ids, entries, strict=True):
         text = texts.text(token_id)
         out["tokens"].append(text)

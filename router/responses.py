@@ -71,7 +71,8 @@ class ResponseShape:
         state.started = True
         logprobs = None
         if self.logprobs and self.kind == "completion":
-            logprobs = completion_logprobs(self.texts, shown_ids, shown_entries, len(state.text))
+            logprobs = completion_logprobs(self.texts, shown_ids, shown_entries, len(state.text),
+                                           with_ids=self.return_token_ids)
         elif self.logprobs:
             logprobs = chat_logprobs(self.texts, entries)
         state.text += text

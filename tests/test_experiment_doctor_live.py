@@ -159,6 +159,14 @@ def test_prefill_pool_saturated_while_decode_idles(url, tmp_path):
     assert "prefill-saturated" in _symptoms(url, tmp_path / "pf")
 
 
+def test_decode_pool_saturated_while_prefill_idles(url, tmp_path):
+    rows = [{"prompt_len": 32, "output_len": 96} for _ in range(24)]  # more streams than max_num_seqs
+    _run(url, tmp_path / "dec", rows, concurrency=12, header_workload="forced-local")
+    found = _symptoms(url, tmp_path / "dec")
+    assert "decode-saturated" in found, found
+    assert "prefill-saturated" not in found
+
+
 def test_timeouts_and_429s(url, tmp_path):
     slow = [{"prompt_len": 300, "output_len": 64} for _ in range(6)]
     _run(url, tmp_path / "late", slow, header_workload="tight")
@@ -195,7 +203,7 @@ def _admin(url: str) -> dict:
 def _spec(url: str, **over) -> dict:
     spec = {
         "name": "e2e", "url": url, "workloads": [{"name": "exp-chat", "load": "chat-short"}],
-        "rate": 4, "num_requests": 8, "repeats": 2, "slo": {"ttft_ms": 2000, "tpot_ms": 500}, "plots": True,
+        "rate": 6, "num_requests": 6, "repeats": 2, "slo": {"ttft_ms": 2000, "tpot_ms": 500}, "plots": True,
         "variants": [{"name": "local", "profile": {"mode": "local"}},
                      {"name": "chat-endpoint", "client": {"endpoint": "chat"}}],
         "samples": [{"id": "capital", "prompt": "The capital of France is", "max_tokens": 6},
@@ -236,7 +244,7 @@ def test_experiment_end_to_end(url, tmp_path):
     assert quality["chat-endpoint"]["different"] > 0  # a chat template: a different prompt, flagged
     assert quality["baseline"]["check_pass_rate"]["regex"] == 1.0
     assert set(found["comparisons"]["local"]) >= {"ttft_p50_ms", "goodput_fraction", "error_fraction"}
-    assert found["arms"]["local"]["routes"] == {"local": 16}
+    assert found["arms"]["local"]["routes"] == {"local": 12}
     assert found["recommendation"]["decision"]
     markdown = (out / "report.md").read_text()
     assert "WARNING: chat-endpoint changed" in markdown and "## Audit trail" in markdown
@@ -253,7 +261,7 @@ def test_experiment_end_to_end(url, tmp_path):
 def test_rollback_after_the_process_is_killed(url, tmp_path):
     before = _admin(url)
     file = tmp_path / "exp.yaml"
-    spec = _spec(url, samples=[], repeats=3, num_requests=30, rate=2,
+    spec = _spec(url, samples=[], repeats=3, num_requests=12, rate=3,
                  variants=[{"name": "disagg", "profile": {"mode": "disagg", "min_remote_prefill_tokens": 0},
                             "multiple_changes": True}])
     file.write_text(yaml.safe_dump(spec))

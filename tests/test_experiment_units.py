@@ -370,3 +370,6 @@ def test_top2_from_either_endpoint():
                                                         {"token": "b", "logprob": -0.2}]}]}
     assert _top2(chat, "chat") == [[-0.2, -0.3]]
     assert _top2({}, "chat") == [] and _top2({}, "completions") == []
+    # by id (return_token_ids): candidates whose texts collide are both kept
+    collided = {"top_logprobs": [{"\ufffd": -0.6931}], "top_logprob_ids": [[[198, -0.6931], [199, -0.6936]]]}
+    assert _top2(collided, "completions") == [[-0.6931, -0.6936]]

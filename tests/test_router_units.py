@@ -347,6 +347,22 @@ def _collect(shape, *chunk_lists, **run_options):
     return json.loads(response.body)
 
 
+def test_completion_logprobs_keep_candidates_with_equal_texts_apart_by_id():
+    """Two byte tokens of a split character both read as U+FFFD: `top_logprobs` (keyed by
+    text) keeps one, `top_logprob_ids` (with return_token_ids) keeps both, so a near tie
+    between them can still be seen."""
+    from workers.engine.sequence import TokenLogprob
+    from workers.protocol import GenerateChunk
+
+    top = ((0xC3 + 3, -0.6931), (0xC4 + 3, -0.6936))  # byte ids are offset by the specials
+    chunk = GenerateChunk(token_ids=[top[0][0]], text="", finished=True, finish_reason="length", route="local",
+                          logprobs=[TokenLogprob(top[0][0], top[0][1], top)])
+    by_text = _collect(_shape(logprobs=True), [chunk])["choices"][0]["logprobs"]
+    assert len(by_text["top_logprobs"][0]) == 1 and "top_logprob_ids" not in by_text
+    with_ids = _collect(_shape(logprobs=True, return_token_ids=True), [chunk])["choices"][0]["logprobs"]
+    assert with_ids["top_logprob_ids"] == [[list(pair) for pair in top]]
+
+
 def test_echo_with_logprobs_has_lm_eval_shape_and_drops_the_extra_token():
     """lm-eval's local-completions reads token_logprobs[ctxlen:-1] of each choice, in index order."""
     from workers.engine.sequence import TokenLogprob

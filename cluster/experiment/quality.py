@@ -88,7 +88,9 @@ def send(http: httpx.Client, url: str, sample: Sample, index: int, endpoint: str
 def _top2(logprobs: dict[str, Any], endpoint: str) -> list[list[float]]:
     if endpoint == "chat":
         tops = [[t["logprob"] for t in entry.get("top_logprobs") or ()] for entry in logprobs.get("content") or ()]
-    else:
+    elif logprobs.get("top_logprob_ids") is not None:  # pdcluster's extension: candidates by id
+        tops = [[lp for _, lp in entry or ()] for entry in logprobs["top_logprob_ids"]]
+    else:  # by text: candidates with equal texts share one entry
         tops = [list((entry or {}).values()) for entry in logprobs.get("top_logprobs") or ()]
     return [sorted(values, reverse=True)[:TOP_LOGPROBS] for values in tops]
 

@@ -162,6 +162,7 @@ def run_one(exp: Experiment, profiles: Profiles, key: RunKey, journal: Journal) 
         config = _loadtest_config(spec, exp.url, workload, client, key, result.out_dir, exp.nonce)
         summary = run_loadtest(config)
         result.records = load_records(result.out_dir)
+        _check_reachable(result)
         result.samples = _send_samples(exp, key, client, summary.env.get("model"))
         save_samples(result.out_dir, result.samples)
     finally:
@@ -170,6 +171,16 @@ def run_one(exp: Experiment, profiles: Profiles, key: RunKey, journal: Journal) 
         result.ended_at = time.time()
         journal.write("run_end", run=key.folder)
     return result
+
+
+LOST = ("connect_error", "connection_lost")
+
+
+def _check_reachable(result: RunResult) -> None:
+    """A run in which no request reached the deployment stops the experiment."""
+    if result.records and all(r.error_kind in LOST for r in result.records):
+        raise ConnectionError(f"run {result.key.folder}: every request failed to reach the deployment "
+                              f"({result.records[0].error})")
 
 
 def _send_samples(exp: Experiment, key: RunKey, client: Client, model: str | None) -> list:
