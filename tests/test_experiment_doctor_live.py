@@ -112,6 +112,8 @@ SHARED = "The quarterly report covers revenue, costs and outlook for every regio
 def test_a_healthy_run_names_nothing(url, tmp_path):
     _run(url, tmp_path / "ok", "chat-short", num_requests=10, header_workload="forced-local")
     assert _symptoms(url, tmp_path / "ok") == {}
+    window = collect(url, tmp_path / "ok", token=TOKEN).window  # the run's own: its 10 requests, no probe
+    assert window.counter("pdc_route_decisions") == 10
 
 
 def test_dynamic_content_before_the_shared_prompt(url, tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
+
 from cluster.loadtest.config import LoadTestConfig
 from cluster.loadtest.metrics import Summary, summarize
 from cluster.loadtest.runner import OnRecord, Plan, build_plan
@@ -14,13 +16,6 @@ def run_loadtest(config: LoadTestConfig, on_record: OnRecord | None = None) -> S
     with the whole sweep in `env["sweep"]`. With `save_steps`, the deployment's step and
     KV transfer records over the run go beside it (`cluster/plan/live.py`); with
     `save_metrics`, the server's `/metrics` over the run (`server_metrics.py`)."""
-    if config.save_metrics:
-        from dataclasses import replace
-
-        from cluster.loadtest.server_metrics import recording_metrics
-
-        with recording_metrics(config.url, config.out_dir):
-            return run_loadtest(replace(config, save_metrics=False), on_record)
     if config.save_steps:
         from cluster.plan.live import saving_steps
 
@@ -33,7 +28,8 @@ def _run_loadtest(config: LoadTestConfig, on_record: OnRecord | None) -> Summary
     if config.sweep:
         from cluster.loadtest.sweep import run_sweep
 
-        return run_sweep(config)
+        with _metrics_window(config):
+            return run_sweep(config)
     session = open_session(config)
     plan = build_plan(config)
     progress = None
@@ -44,7 +40,8 @@ def _run_loadtest(config: LoadTestConfig, on_record: OnRecord | None) -> Summary
         on_record = progress.update
     loop_lags_s: list[float] = []
     try:
-        records = run_plan(config, session, plan, on_record, loop_lags_s)
+        with _metrics_window(config):  # opened after the probe, so it holds the run's requests only
+            records = run_plan(config, session, plan, on_record, loop_lags_s)
     finally:
         if progress is not None:
             progress.close()
@@ -55,6 +52,14 @@ def _run_loadtest(config: LoadTestConfig, on_record: OnRecord | None) -> Summary
 
         write_report(config.out_dir, summary, records, plots=config.plots)
     return summary
+
+
+def _metrics_window(config: LoadTestConfig) -> AbstractContextManager:
+    if not config.save_metrics:
+        return nullcontext()
+    from cluster.loadtest.server_metrics import recording_metrics
+
+    return recording_metrics(config.url, config.out_dir)
 
 
 def _expected_count(config: LoadTestConfig, plan: Plan) -> int | None:
