@@ -23,6 +23,7 @@ import yaml
 
 from cluster.doctor.collect import collect
 from cluster.doctor.symptoms import diagnose
+from tests.serve_support import wait_ok
 
 APP = "pdc-diagnosis"
 TOKEN = "diagnosis-admin-token"
@@ -63,14 +64,7 @@ def url(ray_cluster, tiny_model_dir, tmp_path_factory):
     token_file.write_text(TOKEN)
     serve.run(build_app(_config(tiny_model_dir, token_file)), name=APP, route_prefix="/")
     base = f"http://127.0.0.1:{ray_cluster['http_port']}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base}/health", timeout=5).json().get("status") == "ok":
-                break
-        except (httpx.HTTPError, ValueError):
-            pass
-        time.sleep(0.3)
+    wait_ok(base)
     yield base
     serve.delete(APP)
 

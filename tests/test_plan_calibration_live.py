@@ -12,6 +12,8 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
+from tests.serve_support import wait_ok
+
 APP = "pdc-plan-calibration"
 TOKEN = "plan-calibration-admin-token"
 
@@ -34,14 +36,7 @@ def url(ray_cluster, tiny_model_dir, tmp_path_factory):
     }
     serve.run(build_app(config), name=APP, route_prefix="/plan-calibration")
     base = f"http://127.0.0.1:{ray_cluster['http_port']}/plan-calibration"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(base + "/health", timeout=5).json().get("status") == "ok":
-                break
-        except (httpx.HTTPError, ValueError):
-            pass
-        time.sleep(0.3)
+    wait_ok(base)
     yield base
     serve.delete(APP)
 
