@@ -132,7 +132,7 @@ def test_kv_pool_exhausted_and_queueing(url, tmp_path):
 def test_slow_link_makes_disaggregation_slower(url, tmp_path):
     rows = [{"prompt_len": 100, "output_len": 4, "workload": "forced-disagg" if i % 2 else "forced-local"}
             for i in range(16)]
-    _set_faults({"kv_layer_delay_s": 0.1})
+    _set_faults({"kv_layer_delay_s": 0.2})  # 0.4 s a transfer: most of any TTFT, even on a busy CI box
     try:
         _run(url, tmp_path / "slow", rows)
     finally:
@@ -185,6 +185,9 @@ def test_doctor_command_exit_codes(url, tmp_path):
     ok = runner.invoke(app, ["doctor", "--url", url, "--window", "1", "--json"], env={"PDC_ADMIN_TOKEN": TOKEN})
     assert ok.exit_code == 0, ok.output
     assert json.loads(ok.output)["status"] == "ok"
+    missing = runner.invoke(app, ["doctor", "--url", url, "--run", str(tmp_path / "none"), "--window", "1",
+                                  "--json"])
+    assert missing.exit_code == 0 and "not read" in json.loads(missing.output)["notes"][0]
     down = runner.invoke(app, ["doctor", "--url", "http://127.0.0.1:9", "--window", "1"])
     assert down.exit_code == 2 and "cannot reach" in down.output
 

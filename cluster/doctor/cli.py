@@ -1,6 +1,6 @@
 """`pdcluster doctor --url URL [--run DIR] [--json]`: the symptoms a deployment shows, each
-with its numbers and what fits. Exits 0 whenever it ran (findings or not) and 2 only when
-the deployment cannot be reached or the run folder cannot be read."""
+with its numbers and what fits. Exits 0 whenever it ran (findings or not; a run folder it
+cannot read becomes a note) and 2 only when the deployment cannot be reached."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def doctor_cmd(
 
     try:
         evidence = collect(url, run, window, os.environ.get("PDC_ADMIN_TOKEN") or None)
-    except (Unreachable, ValueError) as e:
+    except Unreachable as e:
         typer.echo(f"doctor: {e}", err=True)
         raise typer.Exit(2) from None
     findings = diagnose(evidence)

@@ -57,8 +57,9 @@ def _admin(client: httpx.Client, url: str, path: str, token: str | None, notes: 
 def collect(url: str, run_dir: Path | None = None, window_s: float = 10.0, token: str | None = None,
             timeout_s: float = 10.0) -> Evidence:
     """Everything `doctor` reads. With `run_dir`, the metrics window is the run's own when
-    it saved one (`loadtest --save-metrics`); otherwise a live window of `window_s`.
-    Raises `Unreachable` only when the deployment cannot be reached at all."""
+    it saved one (`loadtest --save-metrics`); otherwise a live window of `window_s`. A run
+    folder that cannot be read is a note, not a failure: `Unreachable` (the deployment
+    does not answer) is the only error."""
     url = url.rstrip("/")
     ev = Evidence()
     with httpx.Client(timeout=timeout_s) as client:
@@ -68,9 +69,12 @@ def collect(url: str, run_dir: Path | None = None, window_s: float = 10.0, token
             raise Unreachable(f"cannot reach {url}: {e!r}") from None
         ev.health = _json_or_none(health)
         if run_dir is not None:
-            ev.records = read_records(run_dir)
-            ev.window = read_window(run_dir)
-            ev.source = f"run {run_dir}" + ("" if ev.window else " (no metrics saved: live window)")
+            try:
+                ev.records = read_records(run_dir)
+                ev.window = read_window(run_dir)
+                ev.source = f"run {run_dir}" + ("" if ev.window else " (no metrics saved: live window)")
+            except (ValueError, OSError) as e:  # the deployment is still worth diagnosing
+                ev.notes.append(f"--run {run_dir} not read ({e}): live evidence only")
         if ev.window is None:
             try:
                 ev.window = live_window(client, url, window_s)
