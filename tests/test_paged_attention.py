@@ -191,3 +191,13 @@ def test_in_place_with_no_tail_no_runs_and_both_in_one_step():
     assert [bool(s.runs) for s in decode.seqs] == [True, False, True]
     assert [s.gathered[1] for s in decode.seqs] == [0, n - 3, 20 * BLOCK_SIZE - 9]
     torch.testing.assert_close(out.double(), dense_reference(cache, meta, query), atol=1e-5, rtol=1e-5)
+
+
+def test_gather_blocks_equals_indexing_the_cache():
+    from workers.engine.paged_attention import gather_blocks
+
+    cache = torch.randn(2, 40, 16, 2, 8)
+    table = torch.randint(0, 40, (5, 7))
+    assert torch.equal(gather_blocks(cache, table), cache[:, table])
+    ids = torch.tensor([3, 3, 0, 39])
+    assert torch.equal(gather_blocks(cache, ids), cache[:, ids])

@@ -15,13 +15,22 @@ import torch.nn.functional as F
 from workers.engine.attention_plan import InPlaceDecode, PaddedGroup
 
 
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """`cache[:, block_ids]` (`[2, *block_ids.shape, block_size, kv_heads, head_dim]`) as one
+    `index_select` of whole blocks: each block is one contiguous row, so the copy runs at
+    memcpy speed (advanced indexing walks it element by element, ~25% slower on CPU)."""
+    rows = cache.flatten(2)  # [2, num_blocks, block_elems], a view
+    picked = torch.index_select(rows, 1, block_ids.reshape(-1))
+    return picked.view(2, *block_ids.shape, *cache.shape[2:])
+
+
 def attend_padded(query: torch.Tensor, cache: torch.Tensor, group: PaddedGroup, scaling: float) -> torch.Tensor:
     """`[num_real, num_heads, head_dim]`: the group's real query rows, in `group.tokens` order.
 
     One SDPA call; the group's blocks are gathered (padded to its longest context), which
     `attention_plan` keeps to short contexts and prompt chunks, where the math dominates."""
     q = query[group.query_index].transpose(1, 2)  # [S, heads, L, dim]
-    kv = cache[:, group.block_table].flatten(2, 3).transpose(2, 3)  # [2, S, kv_heads, C, dim]
+    kv = gather_blocks(cache, group.block_table).flatten(2, 3).transpose(2, 3)  # [2, S, kv_heads, C, dim]
     out = F.scaled_dot_product_attention(q, kv[0].to(q.dtype), kv[1].to(q.dtype), attn_mask=group.mask,
                                          scale=scaling, enable_gqa=True)
     return out.transpose(1, 2).flatten(0, 1)[group.rows]
@@ -32,7 +41,7 @@ def attend_in_place(query: torch.Tensor, cache: torch.Tensor, decode: InPlaceDec
     num_kv_heads = cache.shape[3]
     q = (query[decode.tokens] * scaling).unflatten(1, (num_kv_heads, -1))  # [B, kv_heads, group, dim]
     slots = cache.flatten(1, 2)  # [2, num_slots, kv_heads, dim], a view
-    tail = cache[:, decode.gather_block_ids].flatten(1, 2) if decode.gather_block_ids.numel() else None
+    tail = gather_blocks(cache, decode.gather_block_ids).flatten(1, 2) if decode.gather_block_ids.numel() else None
     outs = []
     with _one_thread() if cache.device.type == "cpu" else contextlib.nullcontext():
         for i, seq in enumerate(decode.seqs):
