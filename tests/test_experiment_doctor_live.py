@@ -257,14 +257,15 @@ def test_experiment_end_to_end(url, tmp_path):
     assert len(salts) == 6  # fresh prompt bytes for every run
 
 
-def test_rollback_after_the_process_is_killed(url, tmp_path):
-    before = _admin(url)
+def _start_and_stop(url: str, tmp_path: Path, sig: int) -> tuple[Path, int]:
+    """Start an experiment in a process, send `sig` while its variant is applied; its out
+    folder and exit code."""
     file = tmp_path / "exp.yaml"
     spec = _spec(url, samples=[], repeats=3, num_requests=12, rate=3,
                  variants=[{"name": "disagg", "profile": {"mode": "disagg", "min_remote_prefill_tokens": 0},
                             "multiple_changes": True}])
     file.write_text(yaml.safe_dump(spec))
-    out = tmp_path / "killed"
+    out = tmp_path / "stopped"
     proc = subprocess.Popen([sys.executable, "-m", "cluster", "experiment", str(file), "--out", str(out)],
                             env={**os.environ, "PDC_ADMIN_TOKEN": TOKEN}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
@@ -278,8 +279,25 @@ def test_rollback_after_the_process_is_killed(url, tmp_path):
         else:
             raise AssertionError("the experiment never applied its variant")
     finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
+        proc.send_signal(sig)
+        code = proc.wait(timeout=60)
+    return out, code
+
+
+def test_ctrl_c_restores_and_reports_the_runs_so_far(url, tmp_path):
+    before = _admin(url)
+    out, code = _start_and_stop(url, tmp_path, signal.SIGINT)
+    assert code == 1
+    after = _admin(url)
+    assert after["workloads"] == before["workloads"] and after["version"] > before["version"]
+    report = json.loads((out / "report.json").read_text())
+    assert "KeyboardInterrupt" in report["stopped"] and report["runs"]
+    assert [r["event"] for r in report["audit"]][-2:] == ["stopped", "restored"]
+
+
+def test_rollback_after_the_process_is_killed(url, tmp_path):
+    before = _admin(url)
+    out, _ = _start_and_stop(url, tmp_path, signal.SIGKILL)
     changed = _admin(url)
     assert changed["workloads"]["exp-chat"]["mode"] == "disagg"  # killed mid-run: still changed
 
