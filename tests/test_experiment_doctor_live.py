@@ -156,7 +156,7 @@ def test_prefill_pool_saturated_while_decode_idles(url, tmp_path):
 
 
 def test_decode_pool_saturated_while_prefill_idles(url, tmp_path):
-    rows = [{"prompt_len": 32, "output_len": 96} for _ in range(24)]  # more streams than max_num_seqs
+    rows = [{"prompt_len": 32, "output_len": 160} for _ in range(36)]  # more streams than max_num_seqs
     _run(url, tmp_path / "dec", rows, concurrency=12, header_workload="forced-local")
     found = _symptoms(url, tmp_path / "dec")
     assert "decode-saturated" in found, found

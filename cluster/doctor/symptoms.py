@@ -279,13 +279,28 @@ def _busier(busy: dict[str, bool], routed: dict[str, float]) -> str | None:
     return None
 
 
+def _active_samples(series: dict[tuple[str, str], list[float]]) -> list[int]:
+    """The samples in which any pool held a request: an idle start or tail of the window
+    does not dilute the means."""
+    length = min((len(v) for v in series.values()), default=0)
+    return [i for i in range(length) if any(v[i] > 0 for v in series.values())]
+
+
+def _at(values: list[float], indices: list[int]) -> list[float]:
+    return [values[i] for i in indices if i < len(values)]
+
+
 def pool_imbalance(ev: Evidence) -> list[Finding]:
-    """A pool is busy when requests wait in it, or when the router keeps routing around it
+    """A pool is busy when requests wait in it (on average over the samples in which the
+    deployment held any request), or when the router keeps routing around it
     (`prefill-busy`: prompts spilled to decode replicas; `decode-busy`: no decode room)."""
     if ev.window is None or len(ev.window.gauges) < 2:
         return []
-    waiting = {p: _mean(ev.window.gauge("pdc_num_requests_waiting", pool=p)) for p in ("prefill", "decode")}
-    running = {p: _mean(ev.window.gauge("pdc_num_requests_running", pool=p)) for p in ("prefill", "decode")}
+    series = {(name, p): ev.window.gauge(f"pdc_num_requests_{name}", pool=p)
+              for name in ("waiting", "running") for p in ("prefill", "decode")}
+    active = _active_samples(series)
+    waiting = {p: _mean(_at(series["waiting", p], active)) for p in ("prefill", "decode")}
+    running = {p: _mean(_at(series["running", p], active)) for p in ("prefill", "decode")}
     replicas = {p: _replicas(ev, p) for p in ("prefill", "decode")}
     shares = _reason_shares(ev)
     busy = {p: waiting[p] >= POOL_BUSY_WAITING or shares.get(f"{p}-busy", 0.0) >= POOL_BUSY_ROUTED
