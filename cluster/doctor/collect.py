@@ -91,12 +91,6 @@ def collect(url: str, run_dir: Path | None = None, window_s: float = 10.0, token
     return ev
 
 
-def offline(run_dir: Path) -> Evidence:
-    """The evidence of a run folder alone (an experiment's report, a deployment since gone)."""
-    window = read_window(run_dir)
-    return Evidence(window=window, records=read_records(run_dir), source=f"run {run_dir}")
-
-
 def _json_or_none(response: httpx.Response) -> dict | None:
     try:
         body = response.json()

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import Any
 
-from cluster.doctor.collect import offline
+from cluster.doctor.evidence import Evidence
 from cluster.doctor.symptoms import diagnose
 from cluster.experiment.quality import Agreement
 from cluster.experiment.quality import compare as compare_samples
@@ -91,10 +91,9 @@ def doctor_findings(runs: list[RunResult], profiles: dict[str, dict]) -> list[di
     """Each symptom the doctor finds in any of the arm's runs, once, with its latest evidence."""
     found: dict[tuple, dict] = {}
     for run in runs:
-        if not (run.out_dir / "requests.jsonl").exists():
+        if not run.records:
             continue
-        evidence = offline(run.out_dir)
-        evidence.profiles = profiles
+        evidence = Evidence(window=run.window(), profiles=profiles, records=run.records, source=f"run {run.out_dir}")
         for f in diagnose(evidence):
             found[(f.symptom, f.workload)] = {**f.to_json(), "run": run.key.folder}
     return list(found.values())

@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 
 from cluster.experiment.spec import Checks, Sample
+from cluster.loadtest.workloads import flatten_messages
 
 NEAR_TIE = 1e-3
 TOP_LOGPROBS = 2
@@ -52,16 +53,9 @@ def request_body(sample: Sample, endpoint: str, model: str | None) -> dict[str, 
         body["messages"] = sample.messages or [{"role": "user", "content": sample.prompt}]
         body.update(logprobs=True, top_logprobs=TOP_LOGPROBS)
     else:
-        body["prompt"] = sample.prompt if sample.prompt is not None else _flatten(sample.messages or [])
+        body["prompt"] = sample.prompt if sample.prompt is not None else flatten_messages(sample.messages or [])
         body["logprobs"] = TOP_LOGPROBS
     return body
-
-
-def _flatten(messages: list[dict[str, str]]) -> str:
-    """A chat sample on the completions endpoint, as the load tester flattens a history."""
-    if len(messages) == 1:
-        return messages[0]["content"]
-    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
 
 
 def send(http: httpx.Client, url: str, sample: Sample, index: int, endpoint: str, model: str | None,

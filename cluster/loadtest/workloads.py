@@ -19,6 +19,14 @@ from pathlib import Path
 BUILTIN_NAMES = ("chat-short", "rag-long", "shared-prefix", "multi-turn", "mixed")
 
 
+def flatten_messages(messages) -> str:
+    """A chat history as one completions prompt: the only message's text, or each turn as
+    `role: content` on its own line, ending with `assistant: `."""
+    if len(messages) == 1:
+        return messages[0]["content"]
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+
+
 @dataclass(frozen=True)
 class RequestSpec:
     """One request to send. `messages` is the chat form; `prompt` the completions form."""
@@ -33,9 +41,7 @@ class RequestSpec:
     @property
     def prompt(self) -> str:
         """The completions prompt: the only message's text, or the history flattened."""
-        if len(self.messages) == 1:
-            return self.messages[0]["content"]
-        return "".join(f"{m['role']}: {m['content']}\n" for m in self.messages) + "assistant: "
+        return flatten_messages(self.messages)
 
     @property
     def prompt_ids(self) -> list[int]:
