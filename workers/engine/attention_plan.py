@@ -11,7 +11,9 @@ Two shapes of work, both exact (every query attends exactly its own context):
 - Padded (`PaddedGroup`): prompt chunks and short decodes are attended a group at a time
   in one SDPA call over their block tables padded to the group's longest, with a mask
   for the causal offset and the ragged lengths. Groups are cut so that padding wastes
-  at most `MAX_PADDING_WASTE` of the group's real work.
+  at most `MAX_PADDING_WASTE` of the group's real work. A group of prompts that start at
+  position 0 (no cached prefix, first chunk) needs no mask: SDPA's own causal rule is
+  theirs, and its kernel then skips the scores above the diagonal, half of a prompt's.
 """
 
 from __future__ import annotations
@@ -50,7 +52,9 @@ class PaddedGroup:
 
     query_index: torch.Tensor  # [S, L] packed token of each query row (padding repeats a real one)
     block_table: torch.Tensor  # [S, C // block_size], padded with block 0
-    mask: torch.Tensor  # [S, 1, L, C], True where a query attends a key
+    # [S, 1, L, C], True where a query attends a key; None when every sequence's chunk starts
+    # at position 0, so query j sees keys 0..j (SDPA's is_causal) and its keys are its own rows
+    mask: torch.Tensor | None
     rows: torch.Tensor  # [num_real] flat index into the S*L rows of the real queries
     tokens: torch.Tensor  # [num_real] packed token each real row answers
 
@@ -120,8 +124,9 @@ def padded_group(works: list[SeqWork], block_size: int, device: torch.device) ->
     rows = [i * max_len + j for i, w in enumerate(works) for j in range(w.query_len)]
     tokens = [w.query_start + j for w in works for j in range(w.query_len)]
     as_long = dict(dtype=torch.long, device=device)
+    from_start = all(w.context_len == w.query_len for w in works)
     return PaddedGroup(torch.tensor(query_index, **as_long), torch.tensor(table, **as_long),
-                       causal_mask(works, max_len, max_blocks * block_size, device),
+                       None if from_start else causal_mask(works, max_len, max_blocks * block_size, device),
                        torch.tensor(rows, **as_long), torch.tensor(tokens, **as_long))
 
 

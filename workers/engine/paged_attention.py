@@ -24,15 +24,23 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     return picked.view(2, *block_ids.shape, *cache.shape[2:])
 
 
-def attend_padded(query: torch.Tensor, cache: torch.Tensor, group: PaddedGroup, scaling: float) -> torch.Tensor:
+def attend_padded(query: torch.Tensor, cache: torch.Tensor, group: PaddedGroup, scaling: float,
+                  key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> torch.Tensor:
     """`[num_real, num_heads, head_dim]`: the group's real query rows, in `group.tokens` order.
 
     One SDPA call; the group's blocks are gathered (padded to its longest context), which
-    `attention_plan` keeps to short contexts and prompt chunks, where the math dominates."""
+    `attention_plan` keeps to short contexts and prompt chunks, where the math dominates.
+    A group of chunks from position 0 (`mask` None) attends the step's own `key`/`value`
+    rows (what was just written to the cache, same values) with SDPA's causal rule."""
     q = query[group.query_index].transpose(1, 2)  # [S, heads, L, dim]
-    kv = gather_blocks(cache, group.block_table).flatten(2, 3).transpose(2, 3)  # [2, S, kv_heads, C, dim]
-    out = F.scaled_dot_product_attention(q, kv[0].to(q.dtype), kv[1].to(q.dtype), attn_mask=group.mask,
-                                         scale=scaling, enable_gqa=True)
+    if group.mask is None:
+        # through the cache's dtype, so the values are exactly what a gather would read
+        k, v = (rows[group.query_index].to(cache.dtype).to(q.dtype).transpose(1, 2) for rows in (key, value))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
+    else:
+        kv = gather_blocks(cache, group.block_table).flatten(2, 3).transpose(2, 3)  # [2, S, kv_heads, C, dim]
+        out = F.scaled_dot_product_attention(q, kv[0].to(q.dtype), kv[1].to(q.dtype), attn_mask=group.mask,
+                                             scale=scaling, enable_gqa=True)
     return out.transpose(1, 2).flatten(0, 1)[group.rows]
 
 

@@ -62,7 +62,7 @@ class SdpaBackend(AttentionBackend):
         cache = meta.kv_cache.layers[layer_idx]
         out = torch.empty_like(query)
         for group in state.plan.groups:
-            out[group.tokens] = attend_padded(query, cache, group, scaling)
+            out[group.tokens] = attend_padded(query, cache, group, scaling, key, value)
         if state.plan.in_place is not None:
             out[state.plan.in_place.tokens] = attend_in_place(query, cache, state.plan.in_place, scaling)
         return out
