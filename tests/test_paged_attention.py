@@ -99,6 +99,7 @@ CASES = {
     "decodes_ragged": ([1] * 9, [1, 3, 4, 5, 17, 130, 200, 257, 300]),
     "long_decodes_in_place": ([1] * 4, [IN_PLACE_MIN_CONTEXT, 400, 401, 512]),
     "prefill_chunks_together": ([5, 7, 6, 8], [5, 7, 6, 8]),
+    "one_prompt_from_start": ([101], [101]),
     "prefix_cached_chunks": ([3, 9, 16, 1], [40, 9, 120, 33]),
     "mixed_step": ([1, 1, 30, 1, 12, 1], [300, 2, 30, 150, 60, 129]),
 }
@@ -122,6 +123,13 @@ def test_every_query_is_planned_once_and_chunks_share_calls():
     assert sorted(tokens) == list(range(sum(meta.query_lens)))
     _, _, meta = run_step(*CASES["prefill_chunks_together"])
     assert len(meta.backend_state.plan.groups) == 1
+
+
+def test_chunks_from_position_0_use_the_causal_rule_and_others_a_mask():
+    _, _, meta = run_step(*CASES["prefill_chunks_together"])
+    assert [g.mask for g in meta.backend_state.plan.groups] == [None]
+    _, _, meta = run_step([5, 7], [5, 9])  # one group: the second chunk follows a cached prefix
+    assert [g.mask is None for g in meta.backend_state.plan.groups] == [False]
 
 
 def test_written_kv_lands_in_the_scheduled_slots_only():
