@@ -57,6 +57,8 @@ class PaddedGroup:
     mask: torch.Tensor | None
     rows: torch.Tensor  # [num_real] flat index into the S*L rows of the real queries
     tokens: torch.Tensor  # [num_real] packed token each real row answers
+    # one sequence: its packed tokens [first, end), read and answered as slices, not copies
+    span: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -125,9 +127,10 @@ def padded_group(works: list[SeqWork], block_size: int, device: torch.device) ->
     tokens = [w.query_start + j for w in works for j in range(w.query_len)]
     as_long = dict(dtype=torch.long, device=device)
     from_start = all(w.context_len == w.query_len for w in works)
+    span = (works[0].query_start, works[0].query_start + works[0].query_len) if len(works) == 1 else None
     return PaddedGroup(torch.tensor(query_index, **as_long), torch.tensor(table, **as_long),
                        None if from_start else causal_mask(works, max_len, max_blocks * block_size, device),
-                       torch.tensor(rows, **as_long), torch.tensor(tokens, **as_long))
+                       torch.tensor(rows, **as_long), torch.tensor(tokens, **as_long), span)
 
 
 def causal_mask(works: list[SeqWork], max_len: int, num_keys: int, device: torch.device) -> torch.Tensor:

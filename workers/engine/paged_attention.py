@@ -32,16 +32,25 @@ def attend_padded(query: torch.Tensor, cache: torch.Tensor, group: PaddedGroup, 
     `attention_plan` keeps to short contexts and prompt chunks, where the math dominates.
     A group of chunks from position 0 (`mask` None) attends the step's own `key`/`value`
     rows (what was just written to the cache, same values) with SDPA's causal rule."""
-    q = query[group.query_index].transpose(1, 2)  # [S, heads, L, dim]
+    q = _rows(query, group).transpose(1, 2)  # [S, heads, L, dim]
     if group.mask is None:
         # through the cache's dtype, so the values are exactly what a gather would read
-        k, v = (rows[group.query_index].to(cache.dtype).to(q.dtype).transpose(1, 2) for rows in (key, value))
+        k, v = (_rows(rows, group).to(cache.dtype).to(q.dtype).transpose(1, 2) for rows in (key, value))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
     else:
         kv = gather_blocks(cache, group.block_table).flatten(2, 3).transpose(2, 3)  # [2, S, kv_heads, C, dim]
         out = F.scaled_dot_product_attention(q, kv[0].to(q.dtype), kv[1].to(q.dtype), attn_mask=group.mask,
                                              scale=scaling, enable_gqa=True)
-    return out.transpose(1, 2).flatten(0, 1)[group.rows]
+    out = out.transpose(1, 2).flatten(0, 1)
+    return out if group.span is not None else out[group.rows]
+
+
+def _rows(packed: torch.Tensor, group: PaddedGroup) -> torch.Tensor:
+    """`[S, L, ...]`: the group's query rows of a packed `[num_tokens, ...]` tensor (a view
+    for one sequence's span)."""
+    if group.span is not None:
+        return packed[group.span[0]:group.span[1]].unsqueeze(0)
+    return packed[group.query_index]
 
 
 def attend_in_place(query: torch.Tensor, cache: torch.Tensor, decode: InPlaceDecode, scaling: float) -> torch.Tensor:

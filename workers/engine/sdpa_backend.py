@@ -60,6 +60,9 @@ class SdpaBackend(AttentionBackend):
             key, value = key[state.write_rows], value[state.write_rows]
         write_kv(meta, layer_idx, key, value)
         cache = meta.kv_cache.layers[layer_idx]
+        groups = state.plan.groups
+        if state.plan.in_place is None and len(groups) == 1 and groups[0].span == (0, query.shape[0]):
+            return attend_padded(query, cache, groups[0], scaling, key, value)  # one sequence: no scatter
         out = torch.empty_like(query)
         for group in state.plan.groups:
             out[group.tokens] = attend_padded(query, cache, group, scaling, key, value)
