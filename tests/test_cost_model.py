@@ -3,6 +3,7 @@ the guards (non-negative, sliding window, cold start), and records of the real e
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -18,6 +19,7 @@ from workers.engine.cost_model import (
     StepCostFit,
     StepFeatures,
     nnls,
+    predict_step_s,
     step_features,
 )
 from workers.engine.step_cost import StepRecord
@@ -216,3 +218,48 @@ def test_the_real_engines_records_are_predicted(make_engine):
     print(f"real records: {len(records)}, held-out median relative error {error:.3f}, "
           f"coefficients {model.coefficients.to_dict()}")
     assert math.isfinite(error) and error < 0.5
+
+
+def contended(steps: list[StepRecord], kappa: float, seed: int = 0) -> list[StepRecord]:
+    """`steps` with a node busy of 0, 0.5 or 1 other engine and their time slowed by
+    1 + kappa x that."""
+    rng = random.Random(seed)
+    out = []
+    for s in steps:
+        busy = rng.choice([0.0, 0.5, 1.0])
+        out.append(dataclasses.replace(s, step_time_s=s.step_time_s * (1 + kappa * busy), node_busy=busy))
+    return out
+
+
+def test_the_node_contention_factor_is_recovered_with_the_coefficients():
+    model = fitted(contended(synthetic_steps(512, seed=3), kappa=0.6))
+    c = model.coefficients
+    assert c.node_contention == pytest.approx(0.6)
+    assert c.vector() == pytest.approx(TRUE.vector(), rel=0.08)
+    held_out = contended(synthetic_steps(300, seed=4), kappa=0.6, seed=5)
+    assert model.median_relative_error(held_out) <= 0.05
+    alone = StepCostFit()
+    alone.seed(synthetic_steps(512, seed=3))  # no busy neighbour in any record: no factor
+    assert alone.coefficients.node_contention == 0.0
+
+
+def test_a_slowed_model_prices_a_busy_node():
+    c = dataclasses.replace(TRUE, node_contention=0.5)
+    features = StepFeatures(0, 0, 8, 4096)
+    alone = predict_step_s(c, features)
+    assert predict_step_s(c, dataclasses.replace(features, node_busy=2.0)) == pytest.approx(2.0 * alone)
+    assert c.slowed(2.0).vector() == pytest.approx(2.0 * c.vector())
+    assert c.slowed(0.0) is c
+    assert StepCoefficients.from_dict(c.to_dict()) == c
+
+
+def test_refit_with_contention_stays_fast():
+    model = StepCostFit()
+    for record in contended(synthetic_steps(512, seed=9), kappa=0.3):
+        model.observe(record)
+    start = time.perf_counter()
+    for _ in range(5):
+        model.fit()
+    per_fit_ms = (time.perf_counter() - start) / 5 * 1e3
+    print(f"refit of 512 contended records: {per_fit_ms:.3f} ms")
+    assert per_fit_ms < 200

@@ -85,13 +85,24 @@ class EngineWorker:
         warm_up = settings.pop("warmup")
         model = self.config.model
         engine = LLMEngine(str(resolve_model_path(self.config.model)), **settings,
-                           device=model.device, dtype=model.dtype)
+                           device=model.device, dtype=model.dtype, node_activity=self._node_activity())
         if warm_up:  # the router predicts this replica's steps from the fit in its heartbeats
             t0 = time.perf_counter()
             coefficients = engine.warmup()
             log.info("%s replica %s warmed up in %.2f s: step model %s", self.role, self.replica_id,
                      time.perf_counter() - t0, coefficients.to_dict())
         return engine
+
+    def _node_activity(self):
+        """This replica's slot on its node's activity board (step records then say how busy
+        the node's other engines were); None, logged, where no board can be made."""
+        from workers.engine.node_activity import NodeActivity
+
+        try:
+            return NodeActivity(self.node_id)
+        except OSError as exc:
+            log.warning("no node activity board (%r): step records will not see the node's other engines", exc)
+            return None
 
     def _pool_config(self) -> PoolConfig:
         return self.config.prefill if self.role == "prefill" else self.config.decode
@@ -224,6 +235,10 @@ class EngineWorker:
             self.stream_server.close()
         with contextlib.suppress(Exception):
             self.engine.shutdown(timeout_s=1.0)
+        activity = self.engine.engine.node_activity
+        if activity is not None:
+            with contextlib.suppress(Exception):
+                activity.close()
 
 
 def error_chunk(exc: BaseException, route: str | None, reason: str | None,

@@ -2,7 +2,8 @@
 was not fitted on.
 
 The step model is the `auto` policy's (`cost_model`: fixed + per prompt token + per unit
-of prefill attention + per decode sequence + per context token, all >= 0), fitted here
+of prefill attention + per decode sequence + per context token, all >= 0, times the
+slowdown of the node's other engines busy meanwhile), fitted here
 on absolute step time rather than the policy's relative error: a simulator's queues and
 throughput follow the MEAN step time, and on a contended machine (a replica sharing its
 cores with others) step times scatter by several times with a long upper tail, which a
@@ -23,11 +24,11 @@ import numpy as np
 from cluster.plan.calibration import FitQuality, StepModel, TransferModel
 from cluster.plan.records import ReplicaStep, ReplicaTransfer
 from workers.engine.cost_model import (
-    MIN_STEP_S,
     StepCoefficients,
-    fit_step_coefficients,
+    fit_with_contention,
     has_work,
     nnls,
+    predict_steps_s,
     step_features,
 )
 from workers.engine.step_cost import StepRecord
@@ -55,18 +56,24 @@ def fit_steps(records: Sequence[StepRecord]) -> StepCoefficients:
     kept = [r for r in records if has_work(r)]
     if not kept:
         raise ValueError("no step records with work to fit on")
-    a = np.stack([step_features(r).row() for r in kept])
-    t = np.array([r.step_time_s for r in kept])
-    return StepCoefficients.from_vector(nnls_mean(a, t), len(kept))
+    a, t, busy = _design(kept)
+    c, kappa = fit_with_contention(a, t, busy, fit=nnls_mean, loss=lambda pred, meas: float(np.sum((pred - meas) ** 2)))
+    return StepCoefficients.from_vector(c, len(kept), kappa)
 
 
 def fit_reported(records: Sequence[StepRecord]) -> StepCoefficients:
     """The step model as a replica fits it online and reports it to the router (relative
     error, `cost_model.fit_step_coefficients`) over `records` (those with work)."""
     kept = [r for r in records if has_work(r)]
-    a = np.stack([step_features(r).row() for r in kept])
-    t = np.array([r.step_time_s for r in kept])
-    return StepCoefficients.from_vector(fit_step_coefficients(a, t), len(kept))
+    a, t, busy = _design(kept)
+    c, kappa = fit_with_contention(a, t, busy)
+    return StepCoefficients.from_vector(c, len(kept), kappa)
+
+
+def _design(records: Sequence[StepRecord]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(feature rows, step times, node busy) of `records`."""
+    return (np.stack([step_features(r).row() for r in records]), np.array([r.step_time_s for r in records]),
+            np.array([r.node_busy for r in records]))
 
 
 def nnls_mean(a: np.ndarray, t: np.ndarray) -> np.ndarray:
@@ -84,9 +91,8 @@ def relative_errors(c: StepCoefficients, records: Sequence[StepRecord]) -> np.nd
     kept = [r for r in records if has_work(r)]
     if not kept:
         return np.zeros(0)
-    predicted = np.maximum(MIN_STEP_S, np.stack([step_features(r).row() for r in kept]) @ c.vector())
-    measured = np.array([r.step_time_s for r in kept])
-    return np.abs(predicted - measured) / measured
+    a, measured, busy = _design(kept)
+    return np.abs(predict_steps_s(c, a, busy) - measured) / measured
 
 
 def fit_and_score(steps: Sequence[ReplicaStep], every: int = HOLD_OUT_EVERY) -> tuple[StepModel, FitQuality]:

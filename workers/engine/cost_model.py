@@ -1,10 +1,16 @@
 """A replica's step time as a learned linear function of the work in the step.
 
-    t = c0                      fixed per-step overhead (launches, sampling, scheduling)
-      + c1 * prompt tokens computed
-      + c2 * prefill attention work   (sum over prefill chunks: chunk tokens x context)
-      + c3 * decode sequences
-      + c4 * context tokens attended by decode sequences
+    t = (c0                      fixed per-step overhead (launches, sampling, scheduling)
+       + c1 * prompt tokens computed
+       + c2 * prefill attention work   (sum over prefill chunks: chunk tokens x context)
+       + c3 * decode sequences
+       + c4 * context tokens attended by decode sequences)
+      * (1 + k * node busy)      the node's other engines computing meanwhile (node_activity.py)
+
+The contention factor k is what sharing the machine's cores and memory bandwidth with one
+other busy engine adds to a step (0 where the replica has its node to itself, or where
+its records never saw another engine busy); it is chosen from `CONTENTION_GRID` by the
+same loss, c fitted for each.
 
 Fitted online over a sliding window of step records, minimising the relative error
 sum(((pred - t) / t)^2) (weighted least squares with weights 1 / t^2, so a 5 ms decode
@@ -16,7 +22,7 @@ that explains the records best; with none it predicts from `DEFAULT_COEFFICIENTS
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -27,6 +33,7 @@ WINDOW = 512  # step records the fit looks at
 REFIT_EVERY = 32  # observations between automatic refits
 MIN_FULL_FIT = 16  # fewer records (or a rank-deficient window): c0 + one term
 MIN_STEP_S = 1e-6  # predictions never go below this
+CONTENTION_GRID = (0.0, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 1.0, 1.3, 1.7, 2.2, 3.0)
 
 
 @dataclass(frozen=True)
@@ -37,6 +44,7 @@ class StepFeatures:
     prefill_attention_work: float = 0.0
     decode_seqs: float = 0.0
     decode_context_tokens: float = 0.0
+    node_busy: float = 0.0  # other engines of the node busy meanwhile (scales the row, not in it)
 
     def row(self) -> np.ndarray:
         """[1, x1, x2, x3, x4]: the design-matrix row (the 1 multiplies c0)."""
@@ -54,6 +62,7 @@ class StepCoefficients:
     decode_seq_s: float
     decode_context_s: float
     num_samples: int = 0
+    node_contention: float = 0.0  # k: the step's slowdown per other busy engine of its node
 
     def vector(self) -> np.ndarray:
         return np.array([self.fixed_s, self.prefill_token_s, self.prefill_attention_s,
@@ -67,8 +76,15 @@ class StepCoefficients:
         return cls(**data)
 
     @classmethod
-    def from_vector(cls, c: np.ndarray, num_samples: int) -> StepCoefficients:
-        return cls(*(float(v) for v in c), num_samples=num_samples)
+    def from_vector(cls, c: np.ndarray, num_samples: int, node_contention: float = 0.0) -> StepCoefficients:
+        return cls(*(float(v) for v in c), num_samples=num_samples, node_contention=float(node_contention))
+
+    def slowed(self, node_busy: float) -> StepCoefficients:
+        """The model of a step beside `node_busy` other busy engines, as plain c0..c4."""
+        factor = 1.0 + self.node_contention * max(0.0, node_busy)
+        if factor == 1.0:
+            return self
+        return StepCoefficients.from_vector(self.vector() * factor, self.num_samples)
 
 
 # A cold replica with no records: a 10 ms step plus 0.1 ms per prompt token and per
@@ -86,7 +102,19 @@ def step_features(record: StepRecord) -> StepFeatures:
     prefill_tokens, work = record.num_prefill_tokens, record.prefill_attention_work
     prefill_ends = record.num_prefill_seqs * work / prefill_tokens if prefill_tokens else 0.0
     decode_context = max(0.0, record.num_context_tokens - prefill_ends)
-    return StepFeatures(float(prefill_tokens), float(work), float(record.num_decode_seqs), decode_context)
+    return StepFeatures(float(prefill_tokens), float(work), float(record.num_decode_seqs), decode_context,
+                        float(record.node_busy))
+
+
+def predict_step_s(c: StepCoefficients, features: StepFeatures) -> float:
+    """The model's step time for `features` (never below `MIN_STEP_S`)."""
+    base = float(features.row() @ c.vector())
+    return max(MIN_STEP_S, base * (1.0 + c.node_contention * features.node_busy))
+
+
+def predict_steps_s(c: StepCoefficients, a: np.ndarray, busy: np.ndarray) -> np.ndarray:
+    """`predict_step_s` over design rows `a` and their `node_busy`."""
+    return np.maximum(MIN_STEP_S, (a @ c.vector()) * (1.0 + c.node_contention * busy))
 
 
 def prefill_work(start: int, end: int, chunk: int) -> tuple[int, int, int]:
@@ -116,6 +144,7 @@ class StepCostFit:
     def __init__(self, window: int = WINDOW, refit_every: int = REFIT_EVERY) -> None:
         self._rows: deque[np.ndarray] = deque(maxlen=window)
         self._times: deque[float] = deque(maxlen=window)
+        self._busy: deque[float] = deque(maxlen=window)
         self._refit_every = refit_every
         self._since_fit = 0
         self._coefficients = DEFAULT_COEFFICIENTS
@@ -136,6 +165,7 @@ class StepCostFit:
             return
         self._rows.append(step_features(record).row())
         self._times.append(record.step_time_s)
+        self._busy.append(record.node_busy)
         self._since_fit += 1
         if self._since_fit >= min(self._refit_every, max(1, self.num_samples // 2)):
             self.fit()
@@ -151,14 +181,14 @@ class StepCostFit:
         self._since_fit = 0
         if not self._times:
             return self._coefficients
-        a, t = np.stack(self._rows), np.array(self._times)
-        c = fit_step_coefficients(a, t)
-        self._coefficients = StepCoefficients.from_vector(c, len(t))
+        a, t, busy = np.stack(self._rows), np.array(self._times), np.array(self._busy)
+        c, kappa = fit_with_contention(a, t, busy)
+        self._coefficients = StepCoefficients.from_vector(c, len(t), kappa)
         return self._coefficients
 
     def predict(self, features: StepFeatures) -> float:
         """Predicted step time in seconds."""
-        return max(MIN_STEP_S, float(features.row() @ self._coefficients.vector()))
+        return predict_step_s(self._coefficients, features)
 
     def predict_record(self, record: StepRecord) -> float:
         return self.predict(step_features(record))
@@ -168,6 +198,26 @@ class StepCostFit:
         errors = [abs(self.predict_record(r) - r.step_time_s) / r.step_time_s
                   for r in records if has_work(r)]
         return float(np.median(errors)) if errors else float("nan")
+
+
+def fit_with_contention(a: np.ndarray, t: np.ndarray, busy: np.ndarray,
+                        fit: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
+                        loss: Callable[[np.ndarray, np.ndarray], float] | None = None) -> tuple[np.ndarray, float]:
+    """(c, k): for each k of `CONTENTION_GRID`, c fitted by `fit` (default: relative
+    error) on the rows scaled by 1 + k * busy; the pair with the least `loss` of
+    (predicted, measured) (default: relative). k = 0 when no record saw another busy engine."""
+    fit = fit or fit_step_coefficients
+    loss = loss or (lambda pred, meas: float(np.sum(((pred - meas) / meas) ** 2)))
+    if not (busy > 0).any():
+        return fit(a, t), 0.0
+    best: tuple[float, np.ndarray, float] | None = None
+    for kappa in CONTENTION_GRID:
+        factor = 1.0 + kappa * busy
+        c = fit(a * factor[:, None], t)
+        value = loss(np.maximum(MIN_STEP_S, (a @ c) * factor), t)
+        if best is None or value < best[0] - 1e-12:
+            best = (value, c, kappa)
+    return best[1], best[2]
 
 
 def fit_step_coefficients(a: np.ndarray, t: np.ndarray) -> np.ndarray:

@@ -37,6 +37,7 @@ from workers.engine.kv_types import (
 )
 from workers.engine.logprobs import token_logprobs
 from workers.engine.model_runner import ModelRunner, resolve_dtype
+from workers.engine.node_activity import NodeActivity
 from workers.engine.output_processor import OutputProcessor
 from workers.engine.prompt_logprobs import (
     add_prompt_logprobs,
@@ -58,7 +59,10 @@ class LLMEngine:
                  enable_prefix_caching: bool = True, device: str | None = None, dtype: str = "float32",
                  *, gpu_memory_fraction: float = DEFAULT_GPU_MEMORY_FRACTION,
                  cpu_kv_bytes: int = DEFAULT_CPU_KV_BYTES, detokenize: bool = True,
-                 max_step_records: int = 4096, cuda_graphs: bool | None = None) -> None:
+                 max_step_records: int = 4096, cuda_graphs: bool | None = None,
+                 node_activity: NodeActivity | None = None) -> None:
+        """`node_activity`: this engine's slot on its node's board, so each step records how
+        busy the node's other engines were during it (`StepRecord.node_busy`)."""
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs needs a CUDA device and this engine runs on {self.device}: "
@@ -81,6 +85,7 @@ class LLMEngine:
         self._forward_timer = ForwardTimer(self.runner.model)
         self.step_cost = StepCostModel()  # sizes `yield_tokens`
         self.cost_fit = StepCostFit()  # the linear step model the router predicts with (`stats`)
+        self.node_activity = node_activity
         self.num_background_requests = 0  # added with `yield_to_decode` (spilled prompts)
         self.num_prompt_tokens_computed = 0  # prompt positions run through the model (recomputes too)
         self.requests: dict[str, Sequence] = {}  # unfinished, by `Sequence.seq_id`
@@ -183,8 +188,16 @@ class LLMEngine:
             start_time, t0 = time.time(), time.perf_counter()
             batch = self.scheduler.schedule()
             stamps = [t0, time.perf_counter()]
-            outputs = self._run(batch, stamps) if batch else []
-            self._record_step(batch, start_time, stamps)
+            node_busy = 0.0
+            if batch and self.node_activity is not None:
+                self.node_activity.begin()
+                try:
+                    outputs = self._run(batch, stamps)
+                finally:
+                    node_busy = self.node_activity.end()
+            else:
+                outputs = self._run(batch, stamps) if batch else []
+            self._record_step(batch, start_time, stamps, node_busy)
             return self.best_of.collect(outputs)
 
     def _run(self, batch: list[ScheduledSeq], stamps: list[float]) -> list[RequestOutput]:
@@ -315,7 +328,8 @@ class LLMEngine:
         """A sequence's prompt logprobs go with its first token only."""
         return seq.prompt_logprobs if _is_first(seq, new_token_ids) else None
 
-    def _record_step(self, batch: list[ScheduledSeq], start_time: float, stamps: list[float]) -> None:
+    def _record_step(self, batch: list[ScheduledSeq], start_time: float, stamps: list[float],
+                     node_busy: float = 0.0) -> None:
         """`stamps`: perf_counter at the step's start and at the end of each phase that ran."""
         stamps += [stamps[-1]] * (5 - len(stamps))  # a step without a batch schedules only
         schedule_s, run_s, sample_s, output_s = (b - a for a, b in itertools.pairwise(stamps))
@@ -332,7 +346,7 @@ class LLMEngine:
             num_decode_seqs=len(batch) - len(prefills), num_context_tokens=sum(end for _, end, _ in chunks),
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_prefill_seqs=len(prefills),
-            prefill_attention_work=sum((end - start) * end for start, end in prefills))
+            prefill_attention_work=sum((end - start) * end for start, end in prefills), node_busy=node_busy)
         self.step_records.append(record)
         if batch:
             self.step_cost.observe(record)

@@ -38,6 +38,9 @@ class StepRecord:
     num_prefill_seqs: int = 0  # sequences that computed prompt tokens this step
     # sum over prefill chunks of chunk tokens x tokens the chunk attends to (its end)
     prefill_attention_work: int = 0
+    # the mean number of other engines on this node computing during the step
+    # (`node_activity.py`; 0 without a board)
+    node_busy: float = 0.0
 
 
 @dataclass(frozen=True)
