@@ -8,7 +8,8 @@ size in a step that decodes; KV in blocks of `block_size`, allocated as tokens a
 computed; when a step's blocks run out, the running sequence that sorts last (background
 first, then the latest arrival) is preempted and recomputed later, and nothing new is
 admitted that step. Each step is priced by the calibrated step model (the same features
-`LLMEngine._record_step` records).
+`LLMEngine._record_step` records), times 1 + k x the other engines of its node busy when
+it starts (`StepCoefficients.node_contention`, k), as engines sharing a machine slow each other.
 
 What makes it fast: a decoding sequence is not touched per step (decode_batch.py keeps
 the batch as counters), so a step costs O(1) plus the prompt chunks in it; an idle engine
@@ -55,6 +56,8 @@ class SimEngine:
         self._step_model = (reported or coefficients).to_dict()
         self._c = (coefficients.fixed_s, coefficients.prefill_token_s, coefficients.prefill_attention_s,
                    coefficients.decode_seq_s, coefficients.decode_context_s)
+        self._contention = coefficients.node_contention
+        self.neighbours: list[SimEngine] = []  # the other engines of its node (the simulator sets them)
         self._schedule, self.listener = schedule, listener
         self.cache = SimPrefixCache(limits.num_kv_blocks, limits.enable_prefix_caching)
         self.free_blocks = limits.num_kv_blocks
@@ -118,8 +121,17 @@ class SimEngine:
         if not self.busy:
             self.busy = True
             self._schedule(now, self._start_step, True)
+            if self._contention:
+                self._wake_neighbours(now)
         elif self._run is not None:
             self._cut_run(now)
+
+    def _wake_neighbours(self, now: float) -> None:
+        """This engine just became busy: a node neighbour's run of decode steps ends with
+        its step in flight, so the steps after it are priced beside this one."""
+        for other in self.neighbours:
+            if other._run is not None and other._contention:
+                other._cut_run(now)
 
     def _enqueue(self, seq: SimSeq) -> None:
         seq.num_computed = seq.shared_blocks = seq.owned_blocks = 0
@@ -157,6 +169,8 @@ class SimEngine:
             work += n * (seq.num_computed + n)
         context = self.decoding.context(k)
         dt = c0 + c1 * tokens + c2 * work + c3 * n_dec + c4 * context
+        if self._contention:
+            dt *= self._slowdown()
         self.busy = True
         self.busy_s += dt
         self._step_started = now
@@ -181,15 +195,23 @@ class SimEngine:
             return False
         self.free_blocks -= need
         c0, _, _, c3, c4 = self._c
-        step_s = c0 + c3 * n_dec + c4 * batch.context(k)
-        self._run = DecodeRun(now, k, num_steps, step_s, c4 * n_dec, blocks)
+        step_s, growth_s = c0 + c3 * n_dec + c4 * batch.context(k), c4 * n_dec
+        if self._contention:
+            slowdown = self._slowdown()
+            step_s, growth_s = step_s * slowdown, growth_s * slowdown
+        self._run = DecodeRun(now, k, num_steps, step_s, growth_s, blocks)
         self._run_version += 1
         version = self._run_version
         self._schedule(self._run.end_of(num_steps - 1), lambda t: self._end_run(version, t))
         return True
 
+    def _slowdown(self) -> float:
+        """1 + k x the other engines of the node busy now: what sharing the node adds to a step."""
+        return 1.0 + self._contention * sum(1 for other in self.neighbours if other.busy)
+
     def _cut_run(self, now: float) -> None:
-        """Work arrived: the run ends with the step in flight (it returns later steps' blocks)."""
+        """Work arrived (or a node neighbour woke up): the run ends with the step in flight
+        (it returns later steps' blocks)."""
         run = self._run
         j = 0
         while run.end_of(j) < now:
@@ -312,7 +334,9 @@ class SimEngine:
 
     def _yield_tokens(self) -> int:
         """The engine's background chunk when the router named none: prompt tokens that
-        cost `YIELD_STEP_FRACTION` of a decode step (`StepCostModel.yield_tokens`)."""
+        cost `YIELD_STEP_FRACTION` of a decode step (`StepCostModel.yield_tokens`). Node
+        contention slows the decode step and the prompt token alike (the real engine times
+        both), so it leaves the ratio as it is."""
         c0, c1, _, c3, c4 = self._c
         n_dec = len(self.decoding)
         decode_step = c0 + c3 * n_dec + c4 * self.decoding.context(self.step)

@@ -52,8 +52,17 @@ class Simulation:
             self.engines[rid] = SimEngine(rid, role, self.limits, coefficients, self.events.schedule, self,
                                           reported=reported)
             self.nodes[rid] = i // config.replicas_per_node
+        self._wire_nodes()
         self.requests: list[SimRequest] = []
         self.num_done = 0
+
+    def _wire_nodes(self) -> None:
+        """Each engine learns the other engines of its node (their busy steps slow its own)."""
+        by_node: dict[int, list[SimEngine]] = {}
+        for rid, engine in self.engines.items():
+            by_node.setdefault(self.nodes[rid], []).append(engine)
+        for rid, engine in self.engines.items():
+            engine.neighbours = [other for other in by_node[self.nodes[rid]] if other is not engine]
 
     # -- the run -------------------------------------------------------------------------------
 
