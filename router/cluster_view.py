@@ -99,6 +99,7 @@ class ClusterView:
         # per replica: its heartbeat parsed (`from_stats`), once per heartbeat rather than per
         # candidate per request (a prefill replica's transfer model has a fit per decode peer)
         self._heartbeat_loads: dict[str, tuple[ReplicaInfo, ReplicaLoad]] = {}
+        self.nodes: dict[str, list[ReplicaInfo]] = {}  # node id -> its healthy replicas (known ids only)
 
     def update(self, replicas: list[ReplicaInfo]) -> None:
         old = self.replicas
@@ -113,6 +114,10 @@ class ClusterView:
         self.excluded.clear()
         self.index.retain(self.replicas)
         self._heartbeat_loads.clear()
+        self.nodes = {}
+        for r in replicas:
+            if r.node_id and r.healthy:
+                self.nodes.setdefault(r.node_id, []).append(r)
 
     def load_of(self, replica: ReplicaInfo, now: float | None = None) -> ReplicaLoad:
         """The replica's step model and queue, its heartbeat combined with this router's
@@ -133,7 +138,13 @@ class ClusterView:
             background_work=max(self.background_backlog_work.get(rid, 0), base.background_work),
             num_streams=decoding + incoming, stream_context=int(context),
             num_requests=self.load(replica), stream_tpot_slo_s=min(slos) if slos else None,
-            overdue=self.overdue_of(rid, now) if now is not None else {})
+            overdue=self.overdue_of(rid, now) if now is not None else {},
+            node_id=replica.node_id, node_busy=float(self.node_busy(replica)))
+
+    def node_busy(self, replica: ReplicaInfo) -> int:
+        """The other replicas of `replica`'s node with work now (as this view counts it)."""
+        return sum(1 for r in self.nodes.get(replica.node_id, ()) if r.replica_id != replica.replica_id
+                   and (self.load(r) > 0 or self.backlog.get(r.replica_id, 0) > 0))
 
     def incoming_soon(self, replica_id: str, now: float | None = None) -> tuple[int, int]:
         """(sequences, their context tokens) prefilling elsewhere that will decode on

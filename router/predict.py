@@ -26,11 +26,18 @@ A stream's TPOT is its mean gap over the tokens it has left, so the prediction f
 streams beside a prefill averages the slower mixed steps into the rest of their life; a
 decode step there is the expected gap (`expected_gap_s`): the step of the moment blended
 with the gap the replica's streams saw lately.
+
+Replicas of one machine share its cores and memory bandwidth: every step is priced
+beside the other replicas of its node that are busy now (`ReplicaLoad.node_busy`, each
+slowing it by the step model's `node_contention`), and a remote prefill on an idle
+replica of the decode replica's own node slows that replica's streams while it runs,
+which a separate pool on the same machine does not avoid.
 Everything here is pure arithmetic over plain data: no clock, no I/O.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -86,6 +93,20 @@ class Candidate:
     @property
     def route(self) -> str:
         return "disagg" if self.kind == "remote" else "local"
+
+
+def contended(r: ReplicaLoad, extra_busy: float = 0.0) -> ReplicaLoad:
+    """`r` with its step model slowed by the other replicas of its node busy now (plus
+    `extra_busy` more)."""
+    busy = r.node_busy + extra_busy
+    if busy <= 0 or r.coefficients.node_contention <= 0:
+        return r
+    return dataclasses.replace(r, coefficients=r.coefficients.slowed(busy), node_busy=0.0)
+
+
+def joins_node(p: ReplicaLoad, d: ReplicaLoad) -> float:
+    """1 when a prompt sent to `p` makes it a newly busy neighbour of `d`, else 0."""
+    return 1.0 if p.shares_node_with(d) and not p.busy else 0.0
 
 
 def step_s(c: StepCoefficients, prefill_tokens: float, prefill_work_: float, decode_seqs: float,
@@ -164,17 +185,27 @@ def _own_tpot(req: RequestShape, d: ReplicaLoad, queue_steps_left: float, busy_s
 
 def remote(req: RequestShape, p: ReplicaLoad, d: ReplicaLoad, prefill_cached: int, decode_cached: int) -> Candidate:
     """Prefill on `p`, decode on `d`."""
+    joins = joins_node(p, d)
+    d_during = contended(d, joins)  # while `p` prefills beside it
+    kappa = d.coefficients.node_contention
+    during_x = (1.0 + kappa * (d.node_busy + joins)) / (1.0 + kappa * d.node_busy)
+    p, d = contended(p), contended(d)
     prefill = _prefill(p, _start(req, prefill_cached), req.prompt_len, foreground=True)
     num_bytes = max(0, req.prompt_len - _start(req, decode_cached)) * d.kv_bytes_per_token
     link = p.transfer_to(d.address)
     tail = link.fixed_s + num_bytes / link.bytes_per_s
     after = decode_step_s(d, req.num_sequences * req.decode_cost, req.num_sequences * req.prompt_len)
     # half a step to reserve, half to commit, one to report the first token
-    ttft = prefill.seconds + tail + 2.0 * max(current_step_s(d), 0.5 * after)
+    ttft = prefill.seconds + tail + 2.0 * max(current_step_s(d_during), 0.5 * after)
     d_queue = _prefill(d, 0, 0)
     d_steps_left = d_queue.steps - ttft / d_queue.step_s if d_queue.steps else 0.0
     tpot = _own_tpot(req, d, d_steps_left, d_queue.step_s)
-    streams = _streams_tpot(d, d_queue.steps, d_queue.step_s, _gap_with(req, d))
+    busy_steps, busy_s = float(d_queue.steps), d_queue.steps * d_queue.step_s
+    if during_x > 1.0 and d.num_streams:  # the prefill slows the streams of its node's decode replica
+        gap = expected_gap_s(d) * during_x
+        slowed = prefill.seconds / gap if gap > 0 else 0.0
+        busy_steps, busy_s = busy_steps + slowed, busy_s + slowed * gap
+    streams = _streams_tpot(d, busy_steps, busy_s / busy_steps if busy_steps else 0.0, _gap_with(req, d))
     return Candidate("remote", d.replica_id, p.replica_id, Prediction(ttft, tpot, streams, tail),
                      num_streams=d.num_streams,
                      overdue_x=p.overdue.get("disagg", 1.0))
@@ -183,6 +214,7 @@ def remote(req: RequestShape, p: ReplicaLoad, d: ReplicaLoad, prefill_cached: in
 def local(req: RequestShape, d: ReplicaLoad, cached: int) -> Candidate:
     """Prefill on `d` in the foreground, behind its queue (from the next step boundary),
     then decode there."""
+    d = contended(d)
     prefill = _prefill(d, _start(req, cached), req.prompt_len, foreground=True)
     tpot = _own_tpot(req, d, 0, 0.0)
     streams = _streams_tpot(d, prefill.steps, prefill.step_s, _gap_with(req, d))
@@ -208,6 +240,7 @@ def background(req: RequestShape, d: ReplicaLoad, cached: int, stream_tpot_slo_s
     """Prefill on `d` yielding to its streams; None when it has none (then it is `local`)."""
     if d.num_streams == 0:
         return None
+    d = contended(d)
     chunk = background_chunk(req, d, stream_tpot_slo_s)
     queue = _prefill(d, 0, 0)  # the foreground prompts go first
     start = _start(req, cached)
@@ -231,6 +264,7 @@ def background(req: RequestShape, d: ReplicaLoad, cached: int, stream_tpot_slo_s
 
 def whole(req: RequestShape, p: ReplicaLoad, cached: int) -> Candidate:
     """Prefill and decode on the prefill replica `p` (which has no streams of its own)."""
+    p = contended(p)
     prefill = _prefill(p, _start(req, cached), req.prompt_len, foreground=True)
     tpot = _own_tpot(req, p, 0, 0.0)
     ttft = prefill.seconds + 0.5 * current_step_s(p)

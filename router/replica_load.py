@@ -44,6 +44,18 @@ class ReplicaLoad:
     # route -> how far past its predicted TTFT the oldest request still waiting for its first
     # token from this replica's prefill is (>= 1; absent: none is late)
     overdue: dict[str, float] = field(default_factory=dict)
+    node_id: str = ""  # its machine ("": unknown, shares with no one)
+    # the other replicas of its node busy now (each slows its steps by the step model's
+    # `node_contention`)
+    node_busy: float = 0.0
+
+    @property
+    def busy(self) -> bool:
+        """Computing now or about to: requests, queued prompt tokens or streams."""
+        return self.num_requests > 0 or self.queue_tokens > 0 or self.num_streams > 0
+
+    def shares_node_with(self, other: ReplicaLoad) -> bool:
+        return bool(self.node_id) and self.node_id == other.node_id and self.replica_id != other.replica_id
 
     def transfer_to(self, peer: str | None) -> TransferCoefficients:
         return self.transfers.get(peer or "") or self.transfers.get("*") or DEFAULT_TRANSFER

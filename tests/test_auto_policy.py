@@ -4,6 +4,7 @@ property, that it never raises and never disaggregates without a healthy prefill
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
 
@@ -323,3 +324,33 @@ def test_a_route_whose_outcomes_spread_wide_is_weighed_by_its_chance_of_meeting_
     assert decide(both, state, now=state.half_life_s + 1.0).route == "disagg"
     c.reset()
     assert c.snapshot().residuals == {}
+
+
+NODE_STREAMS = {"num_streams": 8, "stream_context": 8 * 600, "stream_tokens_left": 8.0}
+
+
+def test_a_prefill_replica_on_the_streams_own_node_slows_them_as_a_local_prefill_would():
+    shared = dataclasses.replace(COEFFS, node_contention=2.0)
+    d = replica("d1", coefficients=shared, node_id="n1", **NODE_STREAMS)
+    apart = replica("p1", "prefill", coefficients=shared, node_id="n2")
+    beside = replica("p1", "prefill", coefficients=shared, node_id="n1")
+    slo = SLO(ttft_ms=2000, tpot_ms=12)
+    assert decide(ctx(decode=d, prefills=(apart,), slo=slo)).route == "disagg"
+    decision = decide(ctx(decode=d, prefills=(beside,), slo=slo))
+    assert (decision.route, decision.reason, decision.candidate.kind) == ("local", "protect-streams", "background")
+    far, near = (predict.remote(predict.RequestShape(1000, 32), p, d, 0, 0).prediction for p in (apart, beside))
+    assert near.streams_tpot_s > far.streams_tpot_s and near.ttft_s >= far.ttft_s
+    alone = replica("d1", node_id="n1", **NODE_STREAMS)  # no contention learned: the node changes nothing
+    assert (predict.remote(predict.RequestShape(1000, 32), replica("p1", "prefill", node_id="n1"), alone, 0, 0)
+            == predict.remote(predict.RequestShape(1000, 32), replica("p1", "prefill", node_id="n2"), alone, 0, 0))
+
+
+def test_a_busy_neighbour_slows_every_step_priced_on_its_node():
+    shared = dataclasses.replace(COEFFS, node_contention=0.5)
+    quiet = replica("d1", coefficients=shared, node_id="n1")
+    crowded = replica("d1", coefficients=shared, node_id="n1", node_busy=1.0)
+    shape = predict.RequestShape(1000, 32)
+    assert predict.local(shape, crowded, 0).prediction.ttft_s == pytest.approx(
+        1.5 * predict.local(shape, quiet, 0).prediction.ttft_s)
+    assert predict.contended(quiet) is quiet
+    assert predict.contended(crowded).coefficients.vector() == pytest.approx(1.5 * shared.vector())

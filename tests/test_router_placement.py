@@ -276,3 +276,19 @@ def test_a_prompt_waiting_past_its_predicted_ttft_prices_its_path_as_slow_before
     assert view.waiting == {} and view.overdue_of("d1", 0.5) == {}
     view.end(first)
     assert placed(0.5, 2).decision.route == "local"
+
+
+def test_a_replica_load_counts_the_busy_replicas_of_its_node():
+    view = ClusterView(block_size=16, max_num_seqs=8)
+    view.update([ReplicaInfo("d1", "decode", node_id="n1", stats={"num_running": 2}),
+                 ReplicaInfo("p1", "prefill", node_id="n1", stats={"num_waiting": 1}),
+                 ReplicaInfo("p2", "prefill", node_id="n1"),  # idle
+                 ReplicaInfo("p3", "prefill", node_id="n2", stats={"num_running": 1}),  # another machine
+                 ReplicaInfo("p4", "prefill", node_id="n1", healthy=False, stats={"num_running": 1}),
+                 ReplicaInfo("x1", "decode", stats={"num_running": 1})])  # node unknown
+    loads = {rid: view.load_of(view.replicas[rid]) for rid in view.replicas}
+    assert loads["d1"].node_busy == 1.0 and loads["d1"].node_id == "n1"
+    assert loads["p2"].node_busy == 2.0
+    assert loads["p3"].node_busy == 0.0 and loads["x1"].node_busy == 0.0
+    assert loads["p1"].shares_node_with(loads["d1"]) and not loads["p3"].shares_node_with(loads["d1"])
+    assert not loads["x1"].shares_node_with(dataclasses.replace(loads["x1"], replica_id="x2"))
