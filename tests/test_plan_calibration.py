@@ -4,6 +4,7 @@ sweep of the real engine on the tiny model, the cached default, and the CLI."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import shutil
@@ -56,6 +57,21 @@ def test_the_fit_recovers_known_coefficients_and_scores_held_out_records():
     assert np.allclose(got, TRUE, rtol=0.05), got
     assert quality.median_relative_error < 0.01 and quality.p90_relative_error < 0.02
     assert quality.num_held_out == 400 // HOLD_OUT_EVERY and quality.num_fitted == 400 - quality.num_held_out
+
+
+def test_the_fit_recovers_the_node_contention_and_the_model_carries_it():
+    rng = random.Random(7)
+    steps = []
+    for s in _steps(400, seed=3):
+        busy = rng.choice([0.0, 1.0, 2.0])
+        slowed = dataclasses.replace(s.record, step_time_s=s.record.step_time_s * (1 + 0.45 * busy), node_busy=busy)
+        steps.append(dataclasses.replace(s, record=slowed))
+    step, quality = fit_and_score(steps)
+    assert step.node_contention == pytest.approx(0.45)
+    got = [step.fixed_s, step.prefill_token_s, step.prefill_attention_s, step.decode_seq_s, step.decode_context_s]
+    assert np.allclose(got, TRUE, rtol=0.05), got
+    assert quality.median_relative_error < 0.01
+    assert step.coefficients().node_contention == pytest.approx(0.45)
 
 
 def test_held_out_records_are_never_fitted():
