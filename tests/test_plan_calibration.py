@@ -59,19 +59,34 @@ def test_the_fit_recovers_known_coefficients_and_scores_held_out_records():
     assert quality.num_held_out == 400 // HOLD_OUT_EVERY and quality.num_fitted == 400 - quality.num_held_out
 
 
-def test_the_fit_recovers_the_node_contention_and_the_model_carries_it():
+def _contended_steps(kappa: float) -> list[ReplicaStep]:
     rng = random.Random(7)
     steps = []
     for s in _steps(400, seed=3):
         busy = rng.choice([0.0, 1.0, 2.0])
-        slowed = dataclasses.replace(s.record, step_time_s=s.record.step_time_s * (1 + 0.45 * busy), node_busy=busy)
+        slowed = dataclasses.replace(s.record, step_time_s=s.record.step_time_s * (1 + kappa * busy), node_busy=busy)
         steps.append(dataclasses.replace(s, record=slowed))
-    step, quality = fit_and_score(steps)
+    return steps
+
+
+def test_the_fit_recovers_the_node_contention_and_the_model_carries_it():
+    step, quality = fit_and_score(_contended_steps(0.45))
     assert step.node_contention == pytest.approx(0.45)
     got = [step.fixed_s, step.prefill_token_s, step.prefill_attention_s, step.decode_seq_s, step.decode_context_s]
     assert np.allclose(got, TRUE, rtol=0.05), got
     assert quality.median_relative_error < 0.01
     assert step.coefficients().node_contention == pytest.approx(0.45)
+
+
+def test_a_calibration_fits_the_node_contention_only_when_asked(tiny_model_dir):
+    records = RecordSet(_contended_steps(0.45))
+    plain = from_records(records, "run", Overrides(model_dir=str(tiny_model_dir)), "test")
+    assert plain.step.node_contention == 0.0 and plain.reported_step.node_contention == 0.0
+    assert "node contention not fitted" in plain.notes
+    fitted = from_records(records, "run", Overrides(model_dir=str(tiny_model_dir), node_contention=True), "test")
+    assert fitted.step.node_contention == pytest.approx(0.45)
+    assert fitted.reported_step.node_contention == pytest.approx(0.45)
+    assert fitted.quality.median_relative_error < plain.quality.median_relative_error
 
 
 def test_held_out_records_are_never_fitted():

@@ -109,6 +109,9 @@ def calibrate_cmd(
     max_num_seqs: int | None = typer.Option(None, min=1, help="Run/live: where the deployment did not report it."),
     max_num_batched_tokens: int | None = typer.Option(None, min=1, help="Run/live: where the deployment did not "
                                                       "report it."),
+    node_contention: bool = typer.Option(False, "--node-contention", help="Run/live: also fit how much a busy "
+                                         "neighbour replica on the same machine slows a step (the policy's own "
+                                         "fit does); off, the simulator's serving-path queue holds that share."),
     out: Path | None = typer.Option(None, help=f"The calibration file (default {DEFAULT_OUT_DIR}/"
                                     "calibration-MODEL-SOURCE.json)."),
     as_json: bool = typer.Option(False, "--json", help="Print the calibration as JSON on stdout."),
@@ -121,7 +124,7 @@ def calibrate_cmd(
     if sources > 1 or (sources == 0 and model is None):
         _fail("give one source: --url URL, --run DIR (repeatable), or --model DIR for an offline sweep")
     overrides = Overrides(str(model) if model else None, device, dtype, block_size, num_kv_blocks,
-                          max_num_seqs, max_num_batched_tokens)
+                          max_num_seqs, max_num_batched_tokens, node_contention)
     try:
         if url is not None:
             calibration = from_live(url, overrides=overrides)
