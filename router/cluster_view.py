@@ -130,8 +130,9 @@ class ClusterView:
         incoming, incoming_context = self.incoming_soon(rid, now)
         context = base.stream_context + (decoding - base.num_streams) * per_stream + incoming_context
         slos = self.stream_slos.get(rid)
+        node_busy = float(self.node_busy(replica)) if base.coefficients.node_contention > 0 else 0.0
         return dataclasses.replace(
-            base,
+            base, coefficients=base.coefficients.slowed(node_busy),
             queue_tokens=max(self.backlog.get(rid, 0), base.queue_tokens + since.sent_tokens - since.done_tokens),
             queue_work=max(self.backlog_work.get(rid, 0), base.queue_work + since.sent_work - since.done_work),
             background_tokens=max(self.background_backlog.get(rid, 0), base.background_tokens),
@@ -139,7 +140,7 @@ class ClusterView:
             num_streams=decoding + incoming, stream_context=int(context),
             num_requests=self.load(replica), stream_tpot_slo_s=min(slos) if slos else None,
             overdue=self.overdue_of(rid, now) if now is not None else {},
-            node_id=replica.node_id, node_busy=float(self.node_busy(replica)))
+            node_id=replica.node_id, node_busy=node_busy)
 
     def node_busy(self, replica: ReplicaInfo) -> int:
         """The other replicas of `replica`'s node with work now (as this view counts it)."""

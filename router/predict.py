@@ -27,11 +27,11 @@ streams beside a prefill averages the slower mixed steps into the rest of their 
 decode step there is the expected gap (`expected_gap_s`): the step of the moment blended
 with the gap the replica's streams saw lately.
 
-Replicas of one machine share its cores and memory bandwidth: every step is priced
-beside the other replicas of its node that are busy now (`ReplicaLoad.node_busy`, each
-slowing it by the step model's `node_contention`), and a remote prefill on an idle
-replica of the decode replica's own node slows that replica's streams while it runs,
-which a separate pool on the same machine does not avoid.
+Replicas of one machine share its cores and memory bandwidth: a `ReplicaLoad`'s step
+model already prices its steps beside the other replicas of its node that are busy now
+(`ReplicaLoad.node_busy`, each slowing it by the step model's `node_contention`), and a
+remote prefill on an idle replica of the decode replica's own node slows that replica's
+streams while it runs, which a separate pool on the same machine does not avoid.
 Everything here is pure arithmetic over plain data: no clock, no I/O.
 """
 
@@ -95,13 +95,15 @@ class Candidate:
         return "disagg" if self.kind == "remote" else "local"
 
 
-def contended(r: ReplicaLoad, extra_busy: float = 0.0) -> ReplicaLoad:
-    """`r` with its step model slowed by the other replicas of its node busy now (plus
-    `extra_busy` more)."""
-    busy = r.node_busy + extra_busy
-    if busy <= 0 or r.coefficients.node_contention <= 0:
+def contended(r: ReplicaLoad, extra_busy: float) -> ReplicaLoad:
+    """`r` with `extra_busy` more replicas of its node busy than its load counts now."""
+    c = r.coefficients
+    if extra_busy <= 0 or c.node_contention <= 0:
         return r
-    return dataclasses.replace(r, coefficients=r.coefficients.slowed(busy), node_busy=0.0)
+    factor = (1.0 + c.node_contention * (r.node_busy + extra_busy)) / (1.0 + c.node_contention * r.node_busy)
+    slowed = StepCoefficients(c.fixed_s * factor, c.prefill_token_s * factor, c.prefill_attention_s * factor,
+                              c.decode_seq_s * factor, c.decode_context_s * factor, c.num_samples, c.node_contention)
+    return dataclasses.replace(r, coefficients=slowed, node_busy=r.node_busy + extra_busy)
 
 
 def joins_node(p: ReplicaLoad, d: ReplicaLoad) -> float:
@@ -189,7 +191,6 @@ def remote(req: RequestShape, p: ReplicaLoad, d: ReplicaLoad, prefill_cached: in
     d_during = contended(d, joins)  # while `p` prefills beside it
     kappa = d.coefficients.node_contention
     during_x = (1.0 + kappa * (d.node_busy + joins)) / (1.0 + kappa * d.node_busy)
-    p, d = contended(p), contended(d)
     prefill = _prefill(p, _start(req, prefill_cached), req.prompt_len, foreground=True)
     num_bytes = max(0, req.prompt_len - _start(req, decode_cached)) * d.kv_bytes_per_token
     link = p.transfer_to(d.address)
@@ -214,7 +215,6 @@ def remote(req: RequestShape, p: ReplicaLoad, d: ReplicaLoad, prefill_cached: in
 def local(req: RequestShape, d: ReplicaLoad, cached: int) -> Candidate:
     """Prefill on `d` in the foreground, behind its queue (from the next step boundary),
     then decode there."""
-    d = contended(d)
     prefill = _prefill(d, _start(req, cached), req.prompt_len, foreground=True)
     tpot = _own_tpot(req, d, 0, 0.0)
     streams = _streams_tpot(d, prefill.steps, prefill.step_s, _gap_with(req, d))
@@ -240,7 +240,6 @@ def background(req: RequestShape, d: ReplicaLoad, cached: int, stream_tpot_slo_s
     """Prefill on `d` yielding to its streams; None when it has none (then it is `local`)."""
     if d.num_streams == 0:
         return None
-    d = contended(d)
     chunk = background_chunk(req, d, stream_tpot_slo_s)
     queue = _prefill(d, 0, 0)  # the foreground prompts go first
     start = _start(req, cached)
@@ -264,7 +263,6 @@ def background(req: RequestShape, d: ReplicaLoad, cached: int, stream_tpot_slo_s
 
 def whole(req: RequestShape, p: ReplicaLoad, cached: int) -> Candidate:
     """Prefill and decode on the prefill replica `p` (which has no streams of its own)."""
-    p = contended(p)
     prefill = _prefill(p, _start(req, cached), req.prompt_len, foreground=True)
     tpot = _own_tpot(req, p, 0, 0.0)
     ttft = prefill.seconds + 0.5 * current_step_s(p)

@@ -21,6 +21,7 @@ DEFAULT_CHUNK_TOKENS = 1024
 class ReplicaLoad:
     replica_id: str
     role: str  # "prefill" | "decode"
+    # its step model as it prices a step now: slowed by its node's busy replicas (`node_busy`)
     coefficients: StepCoefficients = DEFAULT_COEFFICIENTS
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # the engine's token budget per step
     queue_tokens: int = 0  # prompt tokens waiting for compute ahead of a new request
@@ -45,8 +46,8 @@ class ReplicaLoad:
     # token from this replica's prefill is (>= 1; absent: none is late)
     overdue: dict[str, float] = field(default_factory=dict)
     node_id: str = ""  # its machine ("": unknown, shares with no one)
-    # the other replicas of its node busy now (each slows its steps by the step model's
-    # `node_contention`)
+    # the other replicas of its node busy now, already priced into `coefficients` (each
+    # slows its steps by the step model's `node_contention`)
     node_busy: float = 0.0
 
     @property

@@ -345,12 +345,11 @@ def test_a_prefill_replica_on_the_streams_own_node_slows_them_as_a_local_prefill
             == predict.remote(predict.RequestShape(1000, 32), replica("p1", "prefill", node_id="n2"), alone, 0, 0))
 
 
-def test_a_busy_neighbour_slows_every_step_priced_on_its_node():
+def test_one_more_busy_neighbour_slows_a_replica_by_its_share():
     shared = dataclasses.replace(COEFFS, node_contention=0.5)
     quiet = replica("d1", coefficients=shared, node_id="n1")
-    crowded = replica("d1", coefficients=shared, node_id="n1", node_busy=1.0)
-    shape = predict.RequestShape(1000, 32)
-    assert predict.local(shape, crowded, 0).prediction.ttft_s == pytest.approx(
-        1.5 * predict.local(shape, quiet, 0).prediction.ttft_s)
-    assert predict.contended(quiet) is quiet
-    assert predict.contended(crowded).coefficients.vector() == pytest.approx(1.5 * shared.vector())
+    assert predict.contended(quiet, 0.0) is quiet
+    assert predict.contended(quiet, 1.0).coefficients.vector() == pytest.approx(1.5 * shared.vector())
+    crowded = replica("d1", coefficients=shared.slowed(1.0), node_id="n1", node_busy=1.0)  # as ClusterView builds it
+    assert predict.contended(crowded, 1.0).coefficients.vector() == pytest.approx(2.0 * shared.vector())
+    assert predict.contended(crowded, 1.0).node_busy == 2.0

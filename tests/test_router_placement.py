@@ -278,17 +278,31 @@ def test_a_prompt_waiting_past_its_predicted_ttft_prices_its_path_as_slow_before
     assert placed(0.5, 2).decision.route == "local"
 
 
+CONTENDED_MODEL = {"fixed_s": 0.01, "prefill_token_s": 1e-4, "prefill_attention_s": 0.0, "decode_seq_s": 1e-3,
+                   "decode_context_s": 0.0, "num_samples": 64, "node_contention": 0.4}
+
+
 def test_a_replica_load_counts_the_busy_replicas_of_its_node():
+    def info(rid, role, node="n1", healthy=True, **stats):
+        return ReplicaInfo(rid, role, node_id=node, healthy=healthy, stats={"step_model": CONTENDED_MODEL, **stats})
+
     view = ClusterView(block_size=16, max_num_seqs=8)
-    view.update([ReplicaInfo("d1", "decode", node_id="n1", stats={"num_running": 2}),
-                 ReplicaInfo("p1", "prefill", node_id="n1", stats={"num_waiting": 1}),
-                 ReplicaInfo("p2", "prefill", node_id="n1"),  # idle
-                 ReplicaInfo("p3", "prefill", node_id="n2", stats={"num_running": 1}),  # another machine
-                 ReplicaInfo("p4", "prefill", node_id="n1", healthy=False, stats={"num_running": 1}),
-                 ReplicaInfo("x1", "decode", stats={"num_running": 1})])  # node unknown
+    view.update([info("d1", "decode", num_running=2), info("p1", "prefill", num_waiting=1),
+                 info("p2", "prefill"),  # idle
+                 info("p3", "prefill", node="n2", num_running=1),  # another machine
+                 info("p4", "prefill", healthy=False, num_running=1),
+                 info("x1", "decode", node="", num_running=1)])  # node unknown
     loads = {rid: view.load_of(view.replicas[rid]) for rid in view.replicas}
     assert loads["d1"].node_busy == 1.0 and loads["d1"].node_id == "n1"
     assert loads["p2"].node_busy == 2.0
     assert loads["p3"].node_busy == 0.0 and loads["x1"].node_busy == 0.0
     assert loads["p1"].shares_node_with(loads["d1"]) and not loads["p3"].shares_node_with(loads["d1"])
     assert not loads["x1"].shares_node_with(dataclasses.replace(loads["x1"], replica_id="x2"))
+    # each busy neighbour slows the steps it prices by the learned factor; k stays for what one more adds
+    assert loads["p2"].coefficients.fixed_s == pytest.approx(0.01 * 1.8)
+    assert loads["p3"].coefficients.fixed_s == pytest.approx(0.01)
+    assert loads["p2"].coefficients.node_contention == 0.4
+    alone = dict(CONTENDED_MODEL, node_contention=0.0)
+    view.update([ReplicaInfo("d1", "decode", node_id="n1", stats={"num_running": 1, "step_model": alone}),
+                 ReplicaInfo("p1", "prefill", node_id="n1", stats={"num_running": 1, "step_model": alone})])
+    assert view.load_of(view.replicas["d1"]).coefficients.fixed_s == pytest.approx(0.01)  # nothing learned

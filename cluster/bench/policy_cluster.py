@@ -21,6 +21,7 @@ MAX_PROMPT_LEN = 4096
 NUM_SYSTEM_PROMPTS = 16
 SLOS = (SLO(ttft_ms=1000, tpot_ms=50), SLO(ttft_ms=2000, tpot_ms=200), SLO(ttft_ms=10_000, tpot_ms=100))
 KV_BYTES_PER_TOKEN = 131_072  # 32 layers x 8 KV heads x 128 x (K, V) x fp16
+REPLICAS_PER_NODE = 8  # an 8-GPU node
 
 
 @dataclass(frozen=True)
@@ -72,8 +73,9 @@ class Workload:
 
 class Heartbeats:
     """Every replica's heartbeat: a step model fitted once per replica (refitted a little
-    each time), random queues and streams, and on prefill replicas a transfer model per
-    decode address."""
+    each time, with the slowdown a busy neighbour adds), random queues and streams, on
+    prefill replicas a transfer model per decode address; replicas share nodes
+    `REPLICAS_PER_NODE` at a time, prefill and decode mixed."""
 
     def __init__(self, num_replicas: int, num_prefill: int, max_num_seqs: int, seed: int) -> None:
         self.max_num_seqs = max_num_seqs
@@ -83,15 +85,19 @@ class Heartbeats:
         self.addresses = {rid: f"tcp://10.0.{i // 200}.{i % 200 + 10}:5{i:04d}" for i, rid in enumerate(self.roles)}
         self.models = {rid: self._step_model() for rid in self.roles}
         self.chunks = {rid: self.rng.choice((512, 1024, 2048)) for rid in self.roles}
+        order = list(self.roles)
+        self.rng.shuffle(order)
+        self.nodes = {rid: f"node-{i // REPLICAS_PER_NODE}" for i, rid in enumerate(order)}
 
     def next(self, now: float) -> list[ReplicaInfo]:
-        return [ReplicaInfo(rid, role, address=self.addresses[rid], last_heartbeat=now,
+        return [ReplicaInfo(rid, role, node_id=self.nodes[rid], address=self.addresses[rid], last_heartbeat=now,
                             stats=self._stats(rid, role)) for rid, role in self.roles.items()]
 
     def _step_model(self) -> dict:
         u = self.rng.uniform
         return {"fixed_s": u(0.004, 0.015), "prefill_token_s": u(5e-5, 2e-4), "prefill_attention_s": u(1e-9, 1e-8),
-                "decode_seq_s": u(1e-4, 5e-4), "decode_context_s": u(1e-7, 1e-6), "num_samples": 256}
+                "decode_seq_s": u(1e-4, 5e-4), "decode_context_s": u(1e-7, 1e-6), "num_samples": 256,
+                "node_contention": u(0.0, 0.5)}
 
     def _stats(self, rid: str, role: str) -> dict:
         rng, chunk = self.rng, self.chunks[rid]

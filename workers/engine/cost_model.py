@@ -80,11 +80,14 @@ class StepCoefficients:
         return cls(*(float(v) for v in c), num_samples=num_samples, node_contention=float(node_contention))
 
     def slowed(self, node_busy: float) -> StepCoefficients:
-        """The model of a step beside `node_busy` other busy engines, as plain c0..c4."""
+        """The model as it prices a step beside `node_busy` other busy engines: c0..c4
+        scaled by 1 + k x node_busy (k kept, for what one more neighbour would add)."""
         factor = 1.0 + self.node_contention * max(0.0, node_busy)
         if factor == 1.0:
             return self
-        return StepCoefficients.from_vector(self.vector() * factor, self.num_samples)
+        return StepCoefficients(self.fixed_s * factor, self.prefill_token_s * factor,
+                                self.prefill_attention_s * factor, self.decode_seq_s * factor,
+                                self.decode_context_s * factor, self.num_samples, self.node_contention)
 
 
 # A cold replica with no records: a 10 ms step plus 0.1 ms per prompt token and per
