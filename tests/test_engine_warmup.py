@@ -90,12 +90,17 @@ def test_a_busy_engine_is_not_warmed_up(make_engine):
 def test_the_worker_warms_its_engine_up_unless_configured_off(tiny_model_dir, warm):
     config = load_config({"model": {"path": str(tiny_model_dir), "device": "cpu"},
                           "engine": {"num_kv_blocks": 128, "warmup": warm}})
-    worker = SimpleNamespace(config=config, role="decode", replica_id="test",
+    worker = SimpleNamespace(config=config, role="decode", replica_id="test", node_id=f"test-node-{time.time_ns()}",
                              _pool_config=lambda: config.decode)
+    worker._node_activity = lambda: EngineWorker._node_activity(worker)
     engine = EngineWorker._build_engine(worker)  # the real method, outside Ray
-    assert (engine.cost_fit.coefficients != DEFAULT_COEFFICIENTS) is warm
-    assert engine.stats()["kv_blocks_free"] == 128 and not engine.step_records
-    engine.check_integrity()
+    try:
+        assert (engine.cost_fit.coefficients != DEFAULT_COEFFICIENTS) is warm
+        assert engine.stats()["kv_blocks_free"] == 128 and not engine.step_records
+        assert engine.node_activity is not None  # its slot on the node's board
+        engine.check_integrity()
+    finally:
+        engine.node_activity.close()
 
 
 def test_a_failed_warm_up_leaves_no_request_behind(make_engine, monkeypatch):

@@ -105,6 +105,17 @@ def test_a_full_board_says_so(tmp_path):
             board.close()
 
 
+def test_the_last_engine_of_a_node_removes_the_board(tmp_path):
+    a, b = NodeActivity("node-a", str(tmp_path)), NodeActivity("node-a", str(tmp_path))
+    a.close()
+    assert a.path.exists()  # b still has a slot
+    b.close()
+    assert not a.path.exists()
+    c = NodeActivity("node-a", str(tmp_path))  # a fresh board
+    assert c.path.exists() and c._slot == 0
+    c.close()
+
+
 def test_board_path_is_per_node(tmp_path):
     assert board_path("x", str(tmp_path)) != board_path("y", str(tmp_path))
     assert board_path("x", str(tmp_path)) == board_path("x", str(tmp_path))

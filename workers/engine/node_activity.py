@@ -47,17 +47,22 @@ class NodeActivity:
     def __init__(self, node_id: str, directory: str | None = None) -> None:
         self.path = board_path(node_id, directory)
         self._token = float(secrets.randbits(52))
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            size = NUM_SLOTS * FIELDS * 8
-            with _locked(fd):
-                if os.fstat(fd).st_size < size:
-                    os.ftruncate(fd, size)
-                self._map = mmap.mmap(fd, size)
-                self._board = np.ndarray((NUM_SLOTS, FIELDS), dtype=np.float64, buffer=self._map)
-                self._slot = self._claim()
-        finally:
-            os.close(fd)
+        size = NUM_SLOTS * FIELDS * 8
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                with _locked(fd):
+                    if os.fstat(fd).st_nlink == 0:
+                        continue  # the last engine removed it meanwhile: open the new one
+                    if os.fstat(fd).st_size < size:
+                        os.ftruncate(fd, size)
+                    self._map = mmap.mmap(fd, size)
+                    self._board = np.ndarray((NUM_SLOTS, FIELDS), dtype=np.float64, buffer=self._map)
+                    self._slot = self._claim()
+                    self._inode = os.fstat(fd).st_ino
+                    break
+            finally:
+                os.close(fd)
         self._begin_others = 0.0
         self._begin_at = 0.0
         self._next_sweep = time.monotonic() + SWEEP_EVERY_S
@@ -109,11 +114,24 @@ class NodeActivity:
                 self._board[slot] = 0.0
 
     def close(self) -> None:
-        """Give the slot back (only if it is still this engine's). The mapping stays until
-        the process ends: a step still running on another thread may end after this."""
+        """Give the slot back (only if it is still this engine's); the last engine of the
+        node removes the board. The mapping stays until the process ends: a step still
+        running on another thread may end after this."""
+        if self._closed:
+            return
         self._closed = True
-        if self._board[self._slot, TOKEN] == self._token:
-            self._board[self._slot] = 0.0
+        try:
+            fd = os.open(self.path, os.O_RDWR)
+        except FileNotFoundError:
+            return
+        try:
+            with _locked(fd):
+                if self._board[self._slot, TOKEN] == self._token:
+                    self._board[self._slot] = 0.0
+                if os.fstat(fd).st_ino == self._inode and not self._board[:, PID].any():
+                    os.unlink(self.path)
+        finally:
+            os.close(fd)
 
 
 def _alive(pid: int) -> bool:
