@@ -199,7 +199,7 @@ def remote(req: RequestShape, p: ReplicaLoad, d: ReplicaLoad, prefill_cached: in
     # half a step to reserve, half to commit, one to report the first token
     ttft = prefill.seconds + tail + 2.0 * max(current_step_s(d_during), 0.5 * after)
     d_queue = _prefill(d, 0, 0)
-    d_steps_left = d_queue.steps - ttft / d_queue.step_s if d_queue.steps else 0.0
+    d_steps_left = d_queue.steps - ttft / d_queue.step_s if d_queue.steps and d_queue.step_s > 0 else 0.0
     tpot = _own_tpot(req, d, d_steps_left, d_queue.step_s)
     busy_steps, busy_s = float(d_queue.steps), d_queue.steps * d_queue.step_s
     if during_x > 1.0 and d.num_streams:  # the prefill slows the streams of its node's decode replica

@@ -353,3 +353,10 @@ def test_one_more_busy_neighbour_slows_a_replica_by_its_share():
     crowded = replica("d1", coefficients=shared.slowed(1.0), node_id="n1", node_busy=1.0)  # as ClusterView builds it
     assert predict.contended(crowded, 1.0).coefficients.vector() == pytest.approx(2.0 * shared.vector())
     assert predict.contended(crowded, 1.0).node_busy == 2.0
+
+
+def test_a_decode_replica_whose_steps_cost_nothing_still_prices_a_remote_prefill():
+    free = StepCoefficients(0.0, 0.0, 0.0, 0.0, 0.0)
+    d = replica("d1", coefficients=free, queue_tokens=1, queue_work=100)  # a queued step priced at 0 s
+    candidate = predict.remote(predict.RequestShape(1, 1), replica("p1", "prefill", coefficients=free), d, 0, 0)
+    assert candidate.prediction.tpot_s >= 0.0
