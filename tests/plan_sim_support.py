@@ -6,6 +6,7 @@ from cluster.loadtest.schedule import gamma_arrivals
 from cluster.loadtest.workloads import RequestSpec
 from cluster.plan.calibration import Calibration, EngineLimits, FitQuality, StepModel, TransferModel
 from cluster.plan.sim.arrivals import Arrival
+from cluster.plan.sim.sequence import SimSeq
 
 
 def calibration(fixed_s: float = 0.004, prefill_token_s: float = 5e-5, prefill_attention_s: float = 0.0,
@@ -39,3 +40,20 @@ def poisson(rate: float, n: int, prompt_len: int, output_len: int, seed: int = 0
 
 def at_once(lengths: list[tuple[int, int]], at_s: float = 0.0) -> list[Arrival]:
     return [Arrival(at_s, spec(i, p, o)) for i, (p, o) in enumerate(lengths)]
+
+
+class Finishes:
+    """A SimEngine listener recording when each sequence (by owner) finished; engines
+    without remote prefills only."""
+
+    def __init__(self) -> None:
+        self.finished: dict[object, float] = {}
+
+    def on_first_token(self, seq: SimSeq, now: float) -> None:
+        pass
+
+    def on_prefilled(self, seq: SimSeq, now: float) -> None:
+        raise AssertionError("no remote prefill here")
+
+    def on_finished(self, seq: SimSeq, now: float) -> None:
+        self.finished[seq.owner] = now

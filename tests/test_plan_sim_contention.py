@@ -13,7 +13,7 @@ from cluster.plan.sim.engine import SimEngine
 from cluster.plan.sim.events import EventQueue
 from cluster.plan.sim.sequence import SimSeq
 from cluster.plan.sim.simulator import Simulation
-from tests.plan_sim_support import at_once, calibration, poisson
+from tests.plan_sim_support import Finishes, at_once, calibration, poisson
 
 LOCAL = {"default": WorkloadProfile(mode="local")}
 C0, C1, C3, C4 = 0.004, 5e-5, 2e-4, 1e-6
@@ -23,23 +23,7 @@ def _contended(cal: Calibration, k: float) -> Calibration:
     return cal.model_copy(update={"step": cal.step.model_copy(update={"node_contention": k})})
 
 
-class _Ends:
-    """Listener recording when each sequence finished."""
-
-    def __init__(self) -> None:
-        self.finished: dict[object, float] = {}
-
-    def on_first_token(self, seq: SimSeq, now: float) -> None:
-        pass
-
-    def on_prefilled(self, seq: SimSeq, now: float) -> None:
-        raise AssertionError("no remote prefill here")
-
-    def on_finished(self, seq: SimSeq, now: float) -> None:
-        self.finished[seq.owner] = now
-
-
-def _engines(k: float, n: int, events: EventQueue, listener: _Ends, same_node: bool = True) -> list[SimEngine]:
+def _engines(k: float, n: int, events: EventQueue, listener: Finishes, same_node: bool = True) -> list[SimEngine]:
     cal = _contended(calibration(fixed_s=C0, prefill_token_s=C1, decode_seq_s=C3, decode_context_s=C4), k)
     engines = [SimEngine(f"d{i}", "decode", cal.limits, cal.step.coefficients(), events.schedule, listener)
                for i in range(n)]
@@ -61,13 +45,13 @@ def _step_times(engine: SimEngine) -> list[float]:
 
 def test_a_busy_node_neighbour_slows_every_step_by_one_plus_k():
     prompt_len, output_len, k = 64, 200, 0.5
-    events, ends = EventQueue(), _Ends()
+    events, ends = EventQueue(), Finishes()
     alone, = _engines(k, 1, events, ends)
     alone.add(SimSeq("alone", 0, prompt_len, output_len), 0.0)
     events.run(until=lambda: False)
     assert _step_times(alone) == pytest.approx(_alone_steps(prompt_len, output_len), rel=1e-9)
 
-    events, ends = EventQueue(), _Ends()
+    events, ends = EventQueue(), Finishes()
     neighbour, engine = _engines(k, 2, events, ends)
     neighbour.add(SimSeq("long", 0, prompt_len, 4 * output_len), 0.0)  # busy until after `engine` is done
     engine.add(SimSeq("slowed", 0, prompt_len, output_len), 0.0)
@@ -81,7 +65,7 @@ def test_a_neighbour_waking_mid_run_cuts_the_run_at_the_step_in_flight():
     """Steps up to the one in flight when the neighbour wakes keep their price; the rest
     cost 1 + k times as much."""
     prompt_len, output_len, k, wake_s = 64, 60, 0.5, 0.05
-    events, ends = EventQueue(), _Ends()
+    events, ends = EventQueue(), Finishes()
     neighbour, engine = _engines(k, 2, events, ends)
     engine.add(SimSeq("slowed", 0, prompt_len, output_len), 0.0)
     events.schedule(wake_s, lambda t: neighbour.add(SimSeq("late", 0, prompt_len, 4 * output_len), t))

@@ -10,7 +10,7 @@ import pytest
 from cluster.plan.sim.engine import SimEngine
 from cluster.plan.sim.events import EventQueue
 from cluster.plan.sim.sequence import SimSeq
-from tests.plan_sim_support import calibration
+from tests.plan_sim_support import Finishes, calibration
 from workers.engine.block_manager import BlockManager
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler
@@ -48,33 +48,19 @@ def run_real(trace: Trace, limits: dict) -> tuple[list[tuple[int, int]], dict[in
     return compositions, finished
 
 
-class _Finishes:
-    def __init__(self) -> None:
-        self.steps: dict[int, float] = {}
-
-    def on_first_token(self, seq: SimSeq, now: float) -> None:
-        pass
-
-    def on_prefilled(self, seq: SimSeq, now: float) -> None:
-        raise AssertionError("no remote prefill here")
-
-    def on_finished(self, seq: SimSeq, now: float) -> None:
-        self.steps[seq.owner] = now
-
-
 def run_sim(trace: Trace, limits: dict) -> tuple[list[tuple[int, int]], dict[int, int]]:
     """Every step costs 1 s (the step model's fixed cost alone), so step k ends at k + 1;
     a request arriving before step k starts is added at k - 0.5, cutting a run of decode
     steps (one event for several steps) where the real engine would admit it."""
-    events, finishes = EventQueue(), _Finishes()
+    events, finishes = EventQueue(), Finishes()
     cal = calibration(fixed_s=1.0, prefill_token_s=0.0, decode_seq_s=0.0, enable_prefix_caching=False, **limits)
     engine = SimEngine("d", "decode", cal.limits, cal.step.coefficients(), events.schedule, finishes)
     engine.trace = compositions = []
     for i, (at_step, prompt_len, output_len, chunk) in enumerate(trace):
         seq = SimSeq(i, 0, prompt_len, output_len, background=chunk is not None, chunk_tokens=chunk)
         events.schedule(max(0.0, at_step - 0.5), lambda t, s=seq: engine.add(s, t))
-    events.run(until=lambda: len(finishes.steps) == len(trace))
-    return compositions, {i: round(t) - 1 for i, t in finishes.steps.items()}
+    events.run(until=lambda: len(finishes.finished) == len(trace))
+    return compositions, {i: round(t) - 1 for i, t in finishes.finished.items()}
 
 
 LIMITS = dict(block_size=4, num_kv_blocks=256, max_num_seqs=4, max_num_batched_tokens=32)
@@ -112,7 +98,7 @@ def test_the_preemption_trace_preempts_in_both():
     assert manager.num_blocks * limits["block_size"] < sum(p + o for _, p, o, _ in trace)
     events = EventQueue()
     cal = calibration(fixed_s=1.0, prefill_token_s=0.0, decode_seq_s=0.0, enable_prefix_caching=False, **limits)
-    engine = SimEngine("d", "decode", cal.limits, cal.step.coefficients(), events.schedule, _Finishes())
+    engine = SimEngine("d", "decode", cal.limits, cal.step.coefficients(), events.schedule, Finishes())
     for i, (at_step, prompt_len, output_len, _) in enumerate(trace):
         events.schedule(max(0.0, at_step - 0.5), lambda t, s=SimSeq(i, 0, prompt_len, output_len): engine.add(s, t))
     events.run(until=lambda: False)
@@ -125,12 +111,12 @@ def test_decode_only_steps_run_as_one_event_and_arrivals_cut_the_run():
     admitted at the next step boundary, as `run_real` admits it; a sixth request waits
     for a seat without breaking the runs into single steps."""
     trace: Trace = [(0, 8, 60, None)] * 3 + [(12, 20, 3, None), (13, 30, 4, None), (14, 9, 5, None)]
-    events, finishes = EventQueue(), _Finishes()
+    events, finishes = EventQueue(), Finishes()
     cal = calibration(fixed_s=1.0, prefill_token_s=0.0, decode_seq_s=0.0, enable_prefix_caching=False, **LIMITS)
     engine = SimEngine("d", "decode", cal.limits, cal.step.coefficients(), events.schedule, finishes)
     for i, (at_step, prompt_len, output_len, _) in enumerate(trace):
         events.schedule(max(0.0, at_step - 0.5), lambda t, s=SimSeq(i, 0, prompt_len, output_len): engine.add(s, t))
-    events.run(until=lambda: len(finishes.steps) == len(trace))
+    events.run(until=lambda: len(finishes.finished) == len(trace))
     assert list(engine.step_ends) == [float(k + 1) for k in range(engine.step)]
     assert events.num_events <= engine.step / 3
     assert run_sim(trace, LIMITS) == run_real(trace, LIMITS)
