@@ -95,15 +95,21 @@ class Candidate:
         return "disagg" if self.kind == "remote" else "local"
 
 
+def added_contention(r: ReplicaLoad, extra_busy: float) -> float:
+    """How much slower `r`'s steps get with `extra_busy` more busy replicas on its node
+    than its load counts now (1: none)."""
+    kappa = r.coefficients.node_contention
+    if extra_busy <= 0 or kappa <= 0:
+        return 1.0
+    return (1.0 + kappa * (r.node_busy + extra_busy)) / (1.0 + kappa * r.node_busy)
+
+
 def contended(r: ReplicaLoad, extra_busy: float) -> ReplicaLoad:
     """`r` with `extra_busy` more replicas of its node busy than its load counts now."""
-    c = r.coefficients
-    if extra_busy <= 0 or c.node_contention <= 0:
+    factor = added_contention(r, extra_busy)
+    if factor == 1.0:
         return r
-    factor = (1.0 + c.node_contention * (r.node_busy + extra_busy)) / (1.0 + c.node_contention * r.node_busy)
-    slowed = StepCoefficients(c.fixed_s * factor, c.prefill_token_s * factor, c.prefill_attention_s * factor,
-                              c.decode_seq_s * factor, c.decode_context_s * factor, c.num_samples, c.node_contention)
-    return dataclasses.replace(r, coefficients=slowed, node_busy=r.node_busy + extra_busy)
+    return dataclasses.replace(r, coefficients=r.coefficients.scaled(factor), node_busy=r.node_busy + extra_busy)
 
 
 def joins_node(p: ReplicaLoad, d: ReplicaLoad) -> float:
@@ -188,9 +194,8 @@ def _own_tpot(req: RequestShape, d: ReplicaLoad, queue_steps_left: float, busy_s
 def remote(req: RequestShape, p: ReplicaLoad, d: ReplicaLoad, prefill_cached: int, decode_cached: int) -> Candidate:
     """Prefill on `p`, decode on `d`."""
     joins = joins_node(p, d)
+    during_x = added_contention(d, joins)
     d_during = contended(d, joins)  # while `p` prefills beside it
-    kappa = d.coefficients.node_contention
-    during_x = (1.0 + kappa * (d.node_busy + joins)) / (1.0 + kappa * d.node_busy)
     prefill = _prefill(p, _start(req, prefill_cached), req.prompt_len, foreground=True)
     num_bytes = max(0, req.prompt_len - _start(req, decode_cached)) * d.kv_bytes_per_token
     link = p.transfer_to(d.address)
