@@ -188,17 +188,20 @@ class LLMEngine:
             start_time, t0 = time.time(), time.perf_counter()
             batch = self.scheduler.schedule()
             stamps = [t0, time.perf_counter()]
-            node_busy = 0.0
-            if batch and self.node_activity is not None:
-                self.node_activity.begin()
-                try:
-                    outputs = self._run(batch, stamps)
-                finally:
-                    node_busy = self.node_activity.end()
-            else:
-                outputs = self._run(batch, stamps) if batch else []
+            outputs, node_busy = self._run_on_node(batch, stamps) if batch else ([], 0.0)
             self._record_step(batch, start_time, stamps, node_busy)
             return self.best_of.collect(outputs)
+
+    def _run_on_node(self, batch: list[ScheduledSeq], stamps: list[float]) -> tuple[list[RequestOutput], float]:
+        """`_run`, and how busy the node's other engines were meanwhile (0 without a board)."""
+        if self.node_activity is None:
+            return self._run(batch, stamps), 0.0
+        self.node_activity.begin()
+        try:
+            outputs = self._run(batch, stamps)
+        finally:
+            node_busy = self.node_activity.end()
+        return outputs, node_busy
 
     def _run(self, batch: list[ScheduledSeq], stamps: list[float]) -> list[RequestOutput]:
         """Run, sample and account one scheduled batch; stamps the end of each phase
