@@ -213,7 +213,7 @@ def fit_with_contention(a: np.ndarray, t: np.ndarray, busy: np.ndarray,
     error) on the rows scaled by 1 + k * busy; the pair with the least `loss` of
     (predicted, measured) (default: relative). k = 0 when no record saw another busy engine."""
     fit = fit or fit_step_coefficients
-    loss = loss or (lambda pred, meas: float(np.sum(((pred - meas) / meas) ** 2)))
+    loss = loss or relative_loss
     if not (busy > 0).any():
         return fit(a, t), 0.0
     best: tuple[float, np.ndarray, float] | None = None
@@ -256,7 +256,12 @@ def _fit_fixed_plus_one(a: np.ndarray, t: np.ndarray) -> np.ndarray:
 
 
 def _relative_loss(a: np.ndarray, t: np.ndarray, c: np.ndarray) -> float:
-    return float(np.sum(((a @ c - t) / t) ** 2))
+    return relative_loss(a @ c, t)
+
+
+def relative_loss(predicted: np.ndarray, measured: np.ndarray) -> float:
+    """sum(((predicted - measured) / measured)^2): what the policy's fits minimise."""
+    return float(np.sum(((predicted - measured) / measured) ** 2))
 
 
 def nnls_relative(a: np.ndarray, t: np.ndarray) -> np.ndarray:
