@@ -50,6 +50,7 @@ from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import DEFAULT_YIELD_TOKENS, ScheduledSeq, Scheduler
 from workers.engine.sequence import RequestOutput, Sequence, TokenLogprob
 from workers.engine.step_cost import ForwardTimer, StepCostModel, StepPhases, StepRecord
+from workers.engine.thread_clock import ThreadClock, ThreadTimes
 from workers.engine.warmup import warmup
 
 
@@ -86,6 +87,7 @@ class LLMEngine:
         self.step_cost = StepCostModel()  # sizes `yield_tokens`
         self.cost_fit = StepCostFit()  # the linear step model the router predicts with (`stats`)
         self.node_activity = node_activity
+        self._thread_clock = ThreadClock()
         self.num_background_requests = 0  # added with `yield_to_decode` (spilled prompts)
         self.num_prompt_tokens_computed = 0  # prompt positions run through the model (recomputes too)
         self.requests: dict[str, Sequence] = {}  # unfinished, by `Sequence.seq_id`
@@ -185,11 +187,11 @@ class LLMEngine:
             if self._pending:
                 outputs, self._pending = self._pending, []
                 return self.best_of.collect(outputs)
-            start_time, t0 = time.time(), time.perf_counter()
+            start_time, t0, thread0 = time.time(), time.perf_counter(), self._thread_clock.read()
             batch = self.scheduler.schedule()
             stamps = [t0, time.perf_counter()]
             outputs, node_busy = self._run_on_node(batch, stamps) if batch else ([], 0.0)
-            self._record_step(batch, start_time, stamps, node_busy)
+            self._record_step(batch, start_time, stamps, node_busy, self._thread_clock.read() - thread0)
             return self.best_of.collect(outputs)
 
     def _run_on_node(self, batch: list[ScheduledSeq], stamps: list[float]) -> tuple[list[RequestOutput], float]:
@@ -332,8 +334,9 @@ class LLMEngine:
         return seq.prompt_logprobs if _is_first(seq, new_token_ids) else None
 
     def _record_step(self, batch: list[ScheduledSeq], start_time: float, stamps: list[float],
-                     node_busy: float = 0.0) -> None:
-        """`stamps`: perf_counter at the step's start and at the end of each phase that ran."""
+                     node_busy: float, thread: ThreadTimes) -> None:
+        """`stamps`: perf_counter at the step's start and at the end of each phase that ran;
+        `thread`: the engine thread's CPU time and run-queue wait over the step."""
         stamps += [stamps[-1]] * (5 - len(stamps))  # a step without a batch schedules only
         schedule_s, run_s, sample_s, output_s = (b - a for a, b in itertools.pairwise(stamps))
         self.step_phases.append(StepPhases(schedule_s, run_s, self._forward_timer.take(), sample_s, output_s))
@@ -349,7 +352,8 @@ class LLMEngine:
             num_decode_seqs=len(batch) - len(prefills), num_context_tokens=sum(end for _, end, _ in chunks),
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_prefill_seqs=len(prefills),
-            prefill_attention_work=sum((end - start) * end for start, end in prefills), node_busy=node_busy)
+            prefill_attention_work=sum((end - start) * end for start, end in prefills), node_busy=node_busy,
+            cpu_time_s=max(0.0, thread.cpu_s), run_wait_s=max(0.0, thread.wait_s))
         self.step_records.append(record)
         if batch:
             self.step_cost.observe(record)

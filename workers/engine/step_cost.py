@@ -41,6 +41,10 @@ class StepRecord:
     # the mean number of other engines on this node computing during the step
     # (`node_activity.py`; 0 without a board)
     node_busy: float = 0.0
+    # of step_time_s, the engine thread's time on a CPU and runnable but waiting for one
+    # (`thread_clock.py`); the rest it was blocked (another thread held the interpreter)
+    cpu_time_s: float = 0.0
+    run_wait_s: float = 0.0
 
 
 @dataclass(frozen=True)
