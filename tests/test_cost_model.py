@@ -216,6 +216,8 @@ def test_the_real_engines_records_are_predicted(make_engine):
     lens = [5, 40, 300, 17, 120, 64, 9, 200, 33, 90] * 3
     engine.generate(random_prompts(lens, seed=4), greedy(24, ignore_eos=True))
     records = list(engine.step_records)
+    worked = [r for r in records if r.num_prefill_tokens or r.num_decode_seqs]
+    assert all(0 < r.cpu_time_s <= r.step_time_s + 1e-3 and r.run_wait_s >= 0 for r in worked)
     model = fitted(records[0::2])
     error = model.median_relative_error(records[1::2])
     print(f"real records: {len(records)}, held-out median relative error {error:.3f}, "
@@ -254,3 +256,42 @@ def test_a_slowed_model_prices_a_busy_node():
     assert c.slowed(2.0).vector() == pytest.approx(2.0 * c.vector())
     assert c.slowed(0.0) is c
     assert StepCoefficients.from_dict(c.to_dict()) == c
+
+
+def waiting(steps: list[StepRecord], mean_wait: float, kappa: float = 0.0, seed: int = 0) -> list[StepRecord]:
+    """`steps` as a crowded node runs them: each step's time is its CPU time (the true
+    work, +-3%), slowed by 1 + kappa x its busy neighbours, plus a run-queue wait of
+    U(0, 2 x mean_wait) times that (a wide scatter, as waiting for a core has)."""
+    rng = random.Random(seed)
+    out = []
+    for s in steps:
+        busy = rng.choice([0.0, 0.5, 1.0]) if kappa else 0.0
+        cpu = s.step_time_s
+        slowed = cpu * (1 + kappa * busy)
+        wait = slowed * rng.uniform(0.0, 2 * mean_wait)
+        out.append(dataclasses.replace(s, step_time_s=slowed + wait, cpu_time_s=cpu, run_wait_s=wait,
+                                       node_busy=busy))
+    return out
+
+
+@pytest.mark.parametrize("kappa", [0.0, 0.6])
+def test_the_work_is_fitted_on_cpu_time_and_the_mean_wait_on_wall_time(kappa):
+    """A wide run-queue wait scatters the wall times; the shape comes from the CPU time,
+    so every coefficient is the true one times the mean stretch (1 + mean wait), and the
+    mean step time is predicted, not its lower part."""
+    steps = waiting(synthetic_steps(512, seed=11), mean_wait=0.4, kappa=kappa, seed=12)
+    c = fitted(steps).coefficients
+    assert c.node_contention == pytest.approx(kappa, abs=0.15)
+    assert c.vector() == pytest.approx(1.4 * TRUE.vector(), rel=0.1)
+    held_out = waiting(synthetic_steps(400, seed=13), mean_wait=0.4, kappa=kappa, seed=14)
+    predicted = np.array([predict_step_s(c, step_features(r)) for r in held_out])
+    ratios = np.array([r.step_time_s for r in held_out]) / predicted
+    assert np.mean(ratios) == pytest.approx(1.0, abs=0.05)
+
+
+def test_records_without_cpu_time_are_fitted_on_wall_time_alone():
+    """Old records (no CPU time) and threads that mostly sleep keep the one-stage fit."""
+    steps = synthetic_steps(512, seed=1)
+    assert fitted(steps).coefficients.vector() == pytest.approx(TRUE.vector(), rel=0.05)
+    sleeper = [dataclasses.replace(s, cpu_time_s=0.001) for s in steps]  # a thread that waits on another
+    assert fitted(sleeper).coefficients.vector() == pytest.approx(TRUE.vector(), rel=0.05)

@@ -89,6 +89,26 @@ def test_a_calibration_fits_the_node_contention_only_when_asked(tiny_model_dir):
     assert fitted.quality.median_relative_error < plain.quality.median_relative_error
 
 
+def test_records_with_cpu_time_score_the_work_apart_from_the_wait_for_a_core():
+    """Steps that waited U(0, 60%) of their work for a core: the wall-time error shows
+    that scatter, the work alone (CPU time) is predicted as closely as it was measured,
+    and the mean wait is reported; the model predicts the mean wall time."""
+    rng = random.Random(5)
+    steps = []
+    for s in _steps(400, seed=4):
+        wait = s.record.step_time_s * rng.uniform(0.0, 0.6)
+        record = dataclasses.replace(s.record, cpu_time_s=s.record.step_time_s, run_wait_s=wait,
+                                     step_time_s=s.record.step_time_s + wait)
+        steps.append(dataclasses.replace(s, record=record))
+    step, quality = fit_and_score(steps)
+    assert quality.work_median_relative_error < 0.01
+    assert quality.run_wait_share == pytest.approx(0.3, abs=0.05)
+    assert quality.median_relative_error > 0.05  # the wait's scatter, which no feature of the step explains
+    got = [step.fixed_s, step.prefill_token_s, step.prefill_attention_s, step.decode_seq_s, step.decode_context_s]
+    assert np.allclose(got, np.array(TRUE) * 1.3, rtol=0.08), got
+    assert fit_and_score(_steps(400))[1].work_median_relative_error is None  # no CPU time, no work score
+
+
 def test_held_out_records_are_never_fitted():
     steps = _steps(200)
     fitted, held_out = split_held_out(steps)

@@ -245,6 +245,9 @@ def build_report(validation: dict, loads: dict, opts: PlanBenchOptions) -> dict:
                                                       "routes": row["routes"]}
         for figure in (*TARGETS, "itl_p99_ms", "throughput_rps", "goodput_rps"):
             ratios[f"{workload}_{name}_load{pct}_{figure}_error"] = row["figures"][figure]["error"]
+    for name, c in validation["calibrations"].items():  # the step model's work alone, and the node's wait
+        ratios[f"held_out_work_error_{name}"] = c.get("held_out_work_median_error")
+        ratios[f"run_wait_share_{name}"] = c.get("run_wait_share")
     targets = _targets(results, validation, opts)
     return {"results": results, "ratios": ratios, "targets": targets, "rankings": validation["rankings"],
             "calibrations": validation["calibrations"]}

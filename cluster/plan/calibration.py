@@ -81,6 +81,12 @@ class FitQuality(_Strict):
     p90_relative_error: float = Field(ge=0)
     num_fitted: int = Field(ge=0)
     num_held_out: int = Field(ge=0)
+    # Where the records carry the engine thread's CPU time: the median error of the work
+    # alone (the model's shape, fitted on CPU time) on the held-out steps' CPU time, and
+    # the held-out steps' mean wait for a core over their mean CPU time (how crowded the
+    # node was: the wall-time error above is mostly that wait's scatter). None otherwise.
+    work_median_relative_error: float | None = Field(default=None, ge=0)
+    run_wait_share: float | None = Field(default=None, ge=0)
 
 
 class Calibration(_Strict):

@@ -219,6 +219,9 @@ def _print_summary(c, path: Path) -> None:
                f"+ {s.decode_context_s * 1e9:.2f} ns/context token")
     typer.echo(f"held-out error: median {q.median_relative_error:.1%}, p90 {q.p90_relative_error:.1%} "
                f"({q.num_held_out} held out, {q.num_fitted} fitted)")
+    if q.work_median_relative_error is not None:
+        typer.echo(f"work alone (CPU time): median error {q.work_median_relative_error:.1%}; "
+                   f"steps waited {q.run_wait_share:.0%} of their CPU time for a core")
     bandwidth = "no per-byte cost" if c.transfer.bytes_per_s is None else f"{c.transfer.bytes_per_s / 1e6:.1f} MB/s"
     typer.echo(f"transfer: {c.transfer.fixed_s * 1e3:.2f} ms + {bandwidth} ({c.transfer.num_samples} samples); "
                f"request overhead {c.request_overhead_s * 1e3:.2f} ms")

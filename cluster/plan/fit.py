@@ -24,8 +24,11 @@ import numpy as np
 from cluster.plan.calibration import FitQuality, StepModel, TransferModel
 from cluster.plan.records import ReplicaStep, ReplicaTransfer
 from workers.engine.cost_model import (
+    MIN_STEP_S,
     StepCoefficients,
     fit_with_contention,
+    fit_work_then_wall,
+    fits_on_cpu_time,
     has_work,
     nnls,
     predict_steps_s,
@@ -57,7 +60,8 @@ def fit_steps(records: Sequence[StepRecord]) -> StepCoefficients:
     if not kept:
         raise ValueError("no step records with work to fit on")
     a, t, busy = _design(kept)
-    c, kappa = fit_with_contention(a, t, busy, fit=nnls_mean, loss=lambda pred, meas: float(np.sum((pred - meas) ** 2)))
+    c, kappa = fit_work_then_wall(a, t, _cpu_times(kept), busy, fit=nnls_mean, loss=squared_loss,
+                                  scale=least_squares_scale)
     return StepCoefficients.from_vector(c, len(kept), kappa)
 
 
@@ -66,7 +70,7 @@ def fit_reported(records: Sequence[StepRecord]) -> StepCoefficients:
     error, `cost_model.fit_step_coefficients`) over `records` (those with work)."""
     kept = [r for r in records if has_work(r)]
     a, t, busy = _design(kept)
-    c, kappa = fit_with_contention(a, t, busy)
+    c, kappa = fit_work_then_wall(a, t, _cpu_times(kept), busy)
     return StepCoefficients.from_vector(c, len(kept), kappa)
 
 
@@ -74,6 +78,19 @@ def _design(records: Sequence[StepRecord]) -> tuple[np.ndarray, np.ndarray, np.n
     """(feature rows, step times, node busy) of `records`."""
     return (np.stack([step_features(r).row() for r in records]), np.array([r.step_time_s for r in records]),
             np.array([r.node_busy for r in records]))
+
+
+def _cpu_times(records: Sequence[StepRecord]) -> np.ndarray:
+    return np.array([r.cpu_time_s for r in records])
+
+
+def squared_loss(predicted: np.ndarray, measured: np.ndarray) -> float:
+    return float(np.sum((predicted - measured) ** 2))
+
+
+def least_squares_scale(predicted: np.ndarray, measured: np.ndarray) -> float:
+    """The s minimising sum((s * predicted - measured)^2)."""
+    return float(predicted @ measured / (predicted @ predicted))
 
 
 def nnls_mean(a: np.ndarray, t: np.ndarray) -> np.ndarray:
@@ -104,10 +121,28 @@ def fit_and_score(steps: Sequence[ReplicaStep], every: int = HOLD_OUT_EVERY) -> 
                          f"calibrate from a longer run or sweep")
     c = fit_steps(fitted)
     errors = relative_errors(c, held_out)
+    work_error, wait_share = score_work(fitted, held_out)
     quality = FitQuality(median_relative_error=float(np.median(errors)),
                          p90_relative_error=float(np.percentile(errors, 90)),
-                         num_fitted=len(fitted), num_held_out=len(held_out))
+                         num_fitted=len(fitted), num_held_out=len(held_out),
+                         work_median_relative_error=work_error, run_wait_share=wait_share)
     return StepModel.of(c), quality
+
+
+def score_work(fitted: Sequence[StepRecord], held_out: Sequence[StepRecord]) -> tuple[float | None, float | None]:
+    """(median relative error of the work model on the held-out steps' CPU time, their
+    mean run-queue wait over their mean CPU time); (None, None) unless both sets are
+    fitted on CPU time (`fits_on_cpu_time`). The work model is the two-stage fit's first
+    stage, fitted as the policy fits it."""
+    a, wall, busy = _design(fitted)
+    held_a, held_wall, held_busy = _design(held_out)
+    cpu, held_cpu = _cpu_times(fitted), _cpu_times(held_out)
+    if not (fits_on_cpu_time(wall, cpu) and fits_on_cpu_time(held_wall, held_cpu)):
+        return None, None
+    c, kappa = fit_with_contention(a, cpu, busy)
+    predicted = np.maximum(MIN_STEP_S, (held_a @ c) * (1.0 + kappa * held_busy))
+    wait = np.array([r.run_wait_s for r in held_out])
+    return float(np.median(np.abs(predicted - held_cpu) / held_cpu)), float(wait.mean() / held_cpu.mean())
 
 
 def fit_transfers(transfers: Sequence[ReplicaTransfer]) -> tuple[TransferModel, str]:

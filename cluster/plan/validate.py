@@ -261,10 +261,16 @@ def _tied(x: float, y: float, tie: float) -> bool:
 def _describe(c: Calibration) -> dict:
     return {"model": c.model, "device": c.device, "source": c.source,
             "held_out_median_error": round(c.quality.median_relative_error, 4),
+            "held_out_work_median_error": _round(c.quality.work_median_relative_error),
+            "run_wait_share": _round(c.quality.run_wait_share),
             "num_step_records": c.quality.num_fitted + c.quality.num_held_out,
             "request_overhead_ms": round(c.request_overhead_s * 1e3, 3),
             "frontend_ms": {"request": _ms(c.frontend_request_s), "chunk": _ms(c.frontend_chunk_s)},
             "notes": c.notes}
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
 
 
 def _ms(seconds: float | None) -> float | None:

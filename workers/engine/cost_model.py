@@ -17,6 +17,13 @@ sum(((pred - t) / t)^2) (weighted least squares with weights 1 / t^2, so a 5 ms 
 step counts as much as a 500 ms prefill), with every c_i >= 0 (active-set NNLS). With
 few records the full fit is underdetermined, so it falls back to c0 plus the single term
 that explains the records best; with none it predicts from `DEFAULT_COEFFICIENTS`.
+
+Where the records carry the engine thread's CPU time (`StepRecord.cpu_time_s`, and the
+thread was on a CPU for most of its steps), the fit is in two stages (`fit_work_then_wall`):
+the shape c from CPU time, which is the step's work without the time it waited for a
+core (on a crowded node that wait scatters a 2 ms step by a quarter either way while its
+CPU time moves by a tenth), then one scale and k from wall time: the mean stretch the
+node's other load puts on that work, on average, as the step model must predict it.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ REFIT_EVERY = 32  # observations between automatic refits
 MIN_FULL_FIT = 16  # fewer records (or a rank-deficient window): c0 + one term
 MIN_STEP_S = 1e-6  # predictions never go below this
 CONTENTION_GRID = (0.0, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 1.0, 1.3, 1.7, 2.2, 3.0)
+MIN_CPU_SHARE = 0.5  # median CPU time / wall time of a window fitted in two stages
 
 
 @dataclass(frozen=True)
@@ -151,6 +159,7 @@ class StepCostFit:
         self._rows: deque[np.ndarray] = deque(maxlen=window)
         self._times: deque[float] = deque(maxlen=window)
         self._busy: deque[float] = deque(maxlen=window)
+        self._cpu: deque[float] = deque(maxlen=window)
         self._refit_every = refit_every
         self._since_fit = 0
         self._coefficients = DEFAULT_COEFFICIENTS
@@ -172,6 +181,7 @@ class StepCostFit:
         self._rows.append(step_features(record).row())
         self._times.append(record.step_time_s)
         self._busy.append(record.node_busy)
+        self._cpu.append(record.cpu_time_s)
         self._since_fit += 1
         if self._since_fit >= min(self._refit_every, max(1, self.num_samples // 2)):
             self.fit()
@@ -188,7 +198,7 @@ class StepCostFit:
         if not self._times:
             return self._coefficients
         a, t, busy = np.stack(self._rows), np.array(self._times), np.array(self._busy)
-        c, kappa = fit_with_contention(a, t, busy)
+        c, kappa = fit_work_then_wall(a, t, np.array(self._cpu), busy)
         self._coefficients = StepCoefficients.from_vector(c, len(t), kappa)
         return self._coefficients
 
@@ -224,6 +234,44 @@ def fit_with_contention(a: np.ndarray, t: np.ndarray, busy: np.ndarray,
         if best is None or value < best[0] - 1e-12:
             best = (value, c, kappa)
     return best[1], best[2]
+
+
+def fit_work_then_wall(a: np.ndarray, wall: np.ndarray, cpu: np.ndarray, busy: np.ndarray,
+                       fit: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
+                       loss: Callable[[np.ndarray, np.ndarray], float] | None = None,
+                       scale: Callable[[np.ndarray, np.ndarray], float] | None = None) -> tuple[np.ndarray, float]:
+    """(c, k) of the wall-time model. Where `fits_on_cpu_time(wall, cpu)`: the work's
+    shape w = a @ c_work fitted on CPU time (`fit_with_contention`, its k dropped), then
+    for each k of the grid the scale s = `scale(w * (1 + k busy), wall)` (default: the
+    mean ratio), the pair with the least `loss`; c = s * c_work. Otherwise
+    `fit_with_contention` on wall time."""
+    if not fits_on_cpu_time(wall, cpu):
+        return fit_with_contention(a, wall, busy, fit, loss)
+    loss = loss or relative_loss
+    scale = scale or mean_ratio
+    c_work, _ = fit_with_contention(a, cpu, busy, fit, loss)
+    work = np.maximum(MIN_STEP_S, a @ c_work)
+    best: tuple[float, float, float] | None = None
+    for kappa in CONTENTION_GRID if (busy > 0).any() else (0.0,):
+        slowed = work * (1.0 + kappa * busy)
+        s = scale(slowed, wall)
+        value = loss(s * slowed, wall)
+        if best is None or value < best[0] - 1e-12:
+            best = (value, s, kappa)
+    return c_work * best[1], best[2]
+
+
+def fits_on_cpu_time(wall: np.ndarray, cpu: np.ndarray) -> bool:
+    """Every record carries the thread's CPU time and it was on a CPU for most of its
+    steps (median share `MIN_CPU_SHARE`): the CPU time is the step's work. (A thread
+    that mostly sleeps while another thread or device computes is timed by wall alone.)"""
+    return bool(len(cpu) and (cpu > 0).all() and np.median(cpu / wall) >= MIN_CPU_SHARE)
+
+
+def mean_ratio(predicted: np.ndarray, measured: np.ndarray) -> float:
+    """The mean of measured / predicted: the scale that makes the model right on
+    average per step, whatever the step's size."""
+    return float(np.mean(measured / predicted))
 
 
 def fit_step_coefficients(a: np.ndarray, t: np.ndarray) -> np.ndarray:
