@@ -69,11 +69,11 @@ def candidates(ctx: RouteContext) -> list[Candidate]:
 
 
 def stream_slo_s(ctx: RouteContext) -> float:
-    """The TPOT objective of the streams on the decode replica: the tightest among them
-    that this router knows of, else this workload's."""
-    own = ctx.slo.tpot_ms / 1000.0
+    """The mean gap the streams on the decode replica can still afford: the least of
+    those this router knows of (`ReplicaLoad.stream_tpot_slo_s`; infinite when each is
+    already past reach), else this workload's TPOT objective."""
     known = ctx.decode.stream_tpot_slo_s if ctx.decode is not None else None
-    return min(own, known) if known else own
+    return known if known is not None else ctx.slo.tpot_ms / 1000.0
 
 
 def corrected(candidate: Candidate, state: LearnedState, now: float) -> Prediction:

@@ -28,6 +28,7 @@ victims are still waiting, not only once they complete.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -95,7 +96,8 @@ class ClusterView:
         self.index = PrefixIndex(prefix_capacity_blocks)
         self.backlog_work: Counter[str] = Counter()  # their attention work (router/predict.py)
         self.since: dict[str, _Since] = {}  # per replica: this router's prompts since its last heartbeat
-        self.stream_slos: dict[str, Counter[float]] = {}  # per replica: TPOT objectives of its streams
+        # per replica: this router's requests that decode there under a TPOT objective
+        self.slo_streams: dict[str, dict[int, Placement]] = {}
         # per replica: its heartbeat parsed (`from_stats`), once per heartbeat rather than per
         # candidate per request (a prefill replica's transfer model has a fit per decode peer)
         self._heartbeat_loads: dict[str, tuple[ReplicaInfo, ReplicaLoad]] = {}
@@ -129,7 +131,8 @@ class ClusterView:
         per_stream = base.stream_context / base.num_streams if base.num_streams else 0.0
         incoming, incoming_context = self.incoming_soon(rid, now)
         context = base.stream_context + (decoding - base.num_streams) * per_stream + incoming_context
-        slos = self.stream_slos.get(rid)
+        allowance = self.stream_allowance(rid, now)
+        queued = self.queued_here(rid)
         node_busy = float(self.node_busy(replica)) if base.coefficients.node_contention > 0 else 0.0
         return dataclasses.replace(
             base, coefficients=base.coefficients.slowed(node_busy),
@@ -138,9 +141,38 @@ class ClusterView:
             background_tokens=max(self.background_backlog.get(rid, 0), base.background_tokens),
             background_work=max(self.background_backlog_work.get(rid, 0), base.background_work),
             num_streams=decoding + incoming, stream_context=int(context),
-            num_requests=self.load(replica), stream_tpot_slo_s=min(slos) if slos else None,
+            num_requests=self.load(replica), stream_tpot_slo_s=allowance,
+            queued_streams=queued[0], queued_context=queued[1],
+            queued_tokens_left=queued[2] / queued[0] if queued[0] else 0.0,
             overdue=self.overdue_of(rid, now) if now is not None else {},
             node_id=replica.node_id, node_busy=node_busy)
+
+    def stream_allowance(self, replica_id: str, now: float | None) -> float | None:
+        """The least mean gap this router's streams on `replica_id` can still afford
+        (`Placement.tpot_allowance`); None when it has none there, infinity when every one
+        of them is already past reach."""
+        placements = self.slo_streams.get(replica_id)
+        if not placements:
+            return None
+        least = math.inf
+        for p in placements.values():
+            allowed = p.tpot_allowance(now)
+            if allowed is not None and allowed < least:
+                least = allowed
+        return least
+
+    def queued_here(self, replica_id: str) -> tuple[int, int, int]:
+        """(sequences, their prompt tokens, tokens they will generate) of this router's
+        requests queued to prefill in the foreground on `replica_id` and decode there: they
+        become streams before a prompt queued behind them gets its chunks."""
+        seqs = context = tokens = 0
+        for p in self.waiting.get(("local", replica_id), ()):
+            if p.first_token or p.decision.yield_prefill or p.target_replica != replica_id:
+                continue
+            seqs += p.num_sequences
+            context += p.num_sequences * p.prompt_len
+            tokens += p.num_sequences * p.max_tokens
+        return seqs, context, tokens
 
     def node_busy(self, replica: ReplicaInfo) -> int:
         """The other replicas of `replica`'s node with work now (as this view counts it)."""
@@ -241,7 +273,7 @@ class ClusterView:
             if _prefills_elsewhere(placement):
                 self.incoming.setdefault(placement.target_replica, {})[id(placement)] = placement
             if placement.tpot_slo_s:
-                self.stream_slos.setdefault(placement.target_replica, Counter())[placement.tpot_slo_s] += 1
+                self.slo_streams.setdefault(placement.target_replica, {})[id(placement)] = placement
 
     def _since(self, replica_id: str) -> _Since:
         return self.since.setdefault(replica_id, _Since())
@@ -251,20 +283,29 @@ class ClusterView:
         for replica_id, num_seqs in _touched(placement):
             _decrement(self.inflight, replica_id, num_seqs)
         if placement.target_replica and placement.tpot_slo_s and not placement.ended:
-            slos = self.stream_slos.get(placement.target_replica)
-            if slos is not None:
-                _decrement(slos, placement.tpot_slo_s)
-                if not slos:
-                    del self.stream_slos[placement.target_replica]
+            streams = self.slo_streams.get(placement.target_replica)
+            if streams is not None:
+                streams.pop(id(placement), None)
+                if not streams:
+                    del self.slo_streams[placement.target_replica]
         placement.ended = True
 
-    def prefill_done(self, placement: Placement) -> None:
+    def prefill_done(self, placement: Placement, now: float | None = None, num_tokens: int = 0) -> None:
         """The first token is back: a disaggregated request no longer loads its prefill
-        replica (it decodes elsewhere), so `max_prefill_queue` counts prefills only."""
+        replica (it decodes elsewhere), so `max_prefill_queue` counts prefills only. With
+        `now` (the policy's clock) and the tokens that came with it, its streams' progress
+        is tracked from here on (`streamed`)."""
+        if now is not None and not placement.first_token:
+            placement.first_token_at, placement.tokens_back = now, num_tokens
         self.first_token(placement)
         if placement.prefill_replica and not placement.prefill_released:
             placement.prefill_released = True
             _decrement(self.inflight, placement.prefill_replica)
+
+    @staticmethod
+    def streamed(placement: Placement, num_tokens: int) -> None:
+        """More of the placement's tokens are back (its streams' progress)."""
+        placement.tokens_back += num_tokens
 
     def first_token(self, placement: Placement) -> None:
         """Idempotent: the prompt is computed; it no longer queues anyone's prefill."""

@@ -20,7 +20,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -81,6 +81,7 @@ class RequestDraft:
     prefill_timeout_s: float  # the worker's remote prefill + transfer, then local fallback
     first_chunk_timeout_s: float  # no first chunk by then: a 503
     policy: PolicyInputs = PolicyInputs()  # the objectives, learned corrections and clock it is routed by
+    clock: Callable[[], float] = time.monotonic  # the policy's clock, read again at the first token
 
     def generate_request(self, placement: Placement, prefill_address: str | None) -> GenerateRequest:
         """What the placed replica's `generate` gets; the deadline runs from now."""
@@ -142,6 +143,7 @@ class Call:
         """The chunks after the first; always releases the call, cancels it if abandoned."""
         try:
             async for chunk in self.stream:
+                self.view.streamed(self.placement, len(chunk.token_ids))
                 yield chunk
             self.done = True
         finally:
@@ -213,7 +215,8 @@ async def start(callers: Callers, view: ClusterView, draft: RequestDraft) -> Cal
             stream.cancel()
             view.end(placement)
             raise
-        view.prefill_done(placement)  # the first chunk comes after the prefill, wherever it ran
+        # the first chunk comes after the prefill, wherever it ran
+        view.prefill_done(placement, draft.clock(), len(first.token_ids))
         call = Call(placement, stream, first, view)
         if first.finish_reason == "error":
             call.close()

@@ -229,7 +229,8 @@ class Router:
             offload_to_prefill=self.config.router.offload_local_to_prefill,
             prefill_timeout_s=self.config.router.prefill_timeout_s,
             first_chunk_timeout_s=self.config.router.request_timeout_s,
-            policy=self.learner.inputs(request_id, profile)) for i, (ids, _) in enumerate(prompts)]
+            policy=self.learner.inputs(request_id, profile), clock=self.learner.clock)
+            for i, (ids, _) in enumerate(prompts)]
         tenant = key.tenant if key else ANONYMOUS
         calls = await self._start_calls(drafts, tenant, workload)
         for call in calls:

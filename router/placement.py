@@ -65,12 +65,36 @@ class Placement:
     ended: bool = False  # `ClusterView.end` ran: its streams no longer count on `target_replica`
     prompt_len: int = 0  # its context when it starts decoding
     placed_at: float = 0.0  # the policy's clock (`PolicyInputs.now`) when it was placed
+    max_tokens: int = 0  # tokens each of its sequences may generate
+    first_token_at: float | None = None  # the policy's clock at its first token (None: not told)
+    tokens_back: int = 0  # tokens its sequences have streamed back, all sequences together
+
+    def tpot_allowance(self, now: float | None) -> float | None:
+        """The mean gap its streams can still take over the tokens they have left and
+        meet the TPOT objective (what they spent since the first token is gone from it);
+        the objective itself before the first token, without a clock or without a known
+        length; None once the objective is out of reach (nothing left to protect)."""
+        if self.tpot_slo_s is None or self.first_token_at is None or now is None or self.max_tokens < 2:
+            return self.tpot_slo_s
+        done = self.tokens_back / max(1, self.num_sequences)
+        left = self.max_tokens - done
+        if left <= 0:
+            return self.tpot_slo_s
+        budget = self.tpot_slo_s * (self.max_tokens - 1) - (now - self.first_token_at)
+        return budget / left if budget > 0 else None
 
 
 def place(view: ClusterView, prompt_ids: list[int], max_tokens: int, profile: WorkloadProfile,
           forced_mode: str | None, offload_to_prefill: bool = True, work: RequestWork = PLAIN,
           inputs: PolicyInputs = PolicyInputs()) -> Placement:
     """Where the request runs; a 503 `APIError` when no replica can take it."""
+    placement = _place(view, prompt_ids, max_tokens, profile, forced_mode, offload_to_prefill, work, inputs)
+    placement.max_tokens = max_tokens
+    return placement
+
+
+def _place(view: ClusterView, prompt_ids: list[int], max_tokens: int, profile: WorkloadProfile,
+           forced_mode: str | None, offload_to_prefill: bool, work: RequestWork, inputs: PolicyInputs) -> Placement:
     hashes = block_hashes(prompt_ids, view.block_size)
     # Hashes a replica's cache could serve: none when the prompt is recomputed whole. All
     # of `hashes` are still recorded where it goes: the engine registers its blocks.

@@ -15,7 +15,8 @@ From that and the replica's queue (`ReplicaLoad`) follow, per candidate:
   written) and reports the first token with the step after, so a decode replica busy
   with long prompt chunks adds about two of its steps.
 - `local`: the prompt prefills on the decode replica behind its queue, each step also
-  decoding the streams there (which wait for those steps).
+  decoding the streams there (which wait for those steps), and its own chunks also
+  decoding the prompts queued ahead of it there, which will be streams by then.
 - `background`: as `local`, but in a step that decodes streams the prompt takes only a
   chunk sized so the step stays inside the streams' TPOT objective (prefill deflection);
   priced as if streams stay beside it to the end (new ones keep arriving where streams
@@ -23,7 +24,9 @@ From that and the replica's queue (`ReplicaLoad`) follow, per candidate:
 - `whole`: the request runs, prefill and decode, on an idle prefill replica.
 
 A stream's TPOT is its mean gap over the tokens it has left, so the prediction for the
-streams beside a prefill averages the slower mixed steps into the rest of their life; a
+streams beside a prefill averages the slower mixed steps into the rest of their life,
+and it is held to what the tightest of them can still afford (`stream_tpot_slo_s`: its
+objective less what its gaps so far already took, spread over its tokens left); a
 decode step there is the expected gap (`expected_gap_s`): the step of the moment blended
 with the gap the replica's streams saw lately.
 
@@ -155,23 +158,29 @@ class _Prefill:
     seconds: float  # from now to the prompt's last chunk done
     steps: int  # steps that computed prompt tokens (the queue's and its own)
     step_s: float  # their mean time
+    own_steps: int = 0  # of `steps`, those that computed its own chunks
+    own_step_s: float = 0.0  # their mean time
 
 
 def _prefill(r: ReplicaLoad, start: int, end: int, foreground: bool = False) -> _Prefill:
     """The queue, then [start, end), in chunks of what the streams leave of the budget; a
-    `foreground` prompt goes before the background prefills queued there."""
+    `foreground` prompt goes before the background prefills queued there. Its own chunks
+    also decode the prompts queued ahead of it here (`ReplicaLoad.queued_streams`)."""
     queue_tokens, queue_work = r.queue_tokens, r.queue_work
     if foreground:
         queue_tokens = max(0, queue_tokens - r.background_tokens)
         queue_work = max(0, queue_work - r.background_work)
     budget = max(1, r.chunk_tokens - r.num_streams)
-    own_chunks, own_tokens, own_work = prefill_work(start, end, budget)
-    steps = math.ceil(queue_tokens / budget) + own_chunks
+    own_chunks, own_tokens, own_work = prefill_work(start, end, max(1, budget - r.queued_streams))
+    queue_steps = math.ceil(queue_tokens / budget)
     c = r.coefficients
     per_step = c.fixed_s + c.decode_seq_s * r.num_streams + c.decode_context_s * r.stream_context
-    seconds = (steps * per_step + c.prefill_token_s * (queue_tokens + own_tokens)
-               + c.prefill_attention_s * (queue_work + own_work))
-    return _Prefill(seconds, steps, seconds / steps if steps else 0.0)
+    queued_step = c.decode_seq_s * r.queued_streams + c.decode_context_s * r.queued_context
+    queue_s = queue_steps * per_step + c.prefill_token_s * queue_tokens + c.prefill_attention_s * queue_work
+    own_s = own_chunks * (per_step + queued_step) + c.prefill_token_s * own_tokens + c.prefill_attention_s * own_work
+    steps = queue_steps + own_chunks
+    return _Prefill(queue_s + own_s, steps, (queue_s + own_s) / steps if steps else 0.0,
+                    own_chunks, own_s / own_chunks if own_chunks else 0.0)
 
 
 def _streams_tpot(r: ReplicaLoad, busy_steps: float, busy_step_s: float, after_step_s: float) -> float:
@@ -181,6 +190,16 @@ def _streams_tpot(r: ReplicaLoad, busy_steps: float, busy_step_s: float, after_s
     life = max(r.stream_tokens_left, 1.0)
     slow = min(busy_steps, life)
     return (slow * busy_step_s + (life - slow) * after_step_s) / life
+
+
+def _queued_tpot(r: ReplicaLoad, own_steps: float, own_step_s: float, after_step_s: float) -> float:
+    """The mean gap of the prompts queued ahead on `r` (`queued_streams`), which decode
+    beside this prompt's `own_steps` chunks and then at `after_step_s`."""
+    if r.queued_streams == 0:
+        return 0.0
+    life = max(r.queued_tokens_left - 1.0, 1.0)
+    slow = min(own_steps, life)
+    return (slow * max(own_step_s, after_step_s) + (life - slow) * after_step_s) / life
 
 
 def _own_tpot(req: RequestShape, d: ReplicaLoad, queue_steps_left: float, busy_step_s: float) -> float:
@@ -222,10 +241,12 @@ def local(req: RequestShape, d: ReplicaLoad, cached: int) -> Candidate:
     then decode there."""
     prefill = _prefill(d, _start(req, cached), req.prompt_len, foreground=True)
     tpot = _own_tpot(req, d, 0, 0.0)
-    streams = _streams_tpot(d, prefill.steps, prefill.step_s, _gap_with(req, d))
+    after = _gap_with(req, d)
+    streams = max(_streams_tpot(d, prefill.steps, prefill.step_s, after),
+                  _queued_tpot(d, prefill.own_steps, prefill.own_step_s, after))
     ttft = prefill.seconds + 0.5 * current_step_s(d)
     return Candidate("local", d.replica_id, d.replica_id, Prediction(ttft, tpot, streams),
-                     num_streams=d.num_streams, overdue_x=d.overdue.get("local", 1.0))
+                     num_streams=d.num_streams + d.queued_streams, overdue_x=d.overdue.get("local", 1.0))
 
 
 def background_chunk(req: RequestShape, d: ReplicaLoad, stream_tpot_slo_s: float) -> int:
@@ -261,9 +282,10 @@ def background(req: RequestShape, d: ReplicaLoad, cached: int, stream_tpot_slo_s
     step_beside = beside_s / steps_beside if steps_beside else after
     busy_s = queue.steps * queue.step_s + steps_beside * step_beside
     busy_steps = queue.steps + steps_beside
-    streams = _streams_tpot(d, busy_steps, busy_s / busy_steps if busy_steps else after, after)
+    streams = max(_streams_tpot(d, busy_steps, busy_s / busy_steps if busy_steps else after, after),
+                  _queued_tpot(d, steps_beside, step_beside, after))
     return Candidate("background", d.replica_id, d.replica_id, Prediction(ttft, tpot, streams), chunk,
-                     num_streams=d.num_streams, overdue_x=d.overdue.get("local", 1.0))
+                     num_streams=d.num_streams + d.queued_streams, overdue_x=d.overdue.get("local", 1.0))
 
 
 def whole(req: RequestShape, p: ReplicaLoad, cached: int) -> Candidate:

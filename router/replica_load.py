@@ -32,7 +32,15 @@ class ReplicaLoad:
     num_streams: int = 0  # sequences past their prompt, decoding
     stream_context: int = 0  # their context tokens, in total
     stream_tokens_left: float = 0.0  # tokens each stream still has to generate, on average
-    stream_tpot_slo_s: float | None = None  # the tightest TPOT objective among those streams
+    # the least mean gap one of those streams can still afford over the tokens it has left
+    # and meet its TPOT objective (its objective before its first token; infinity: every
+    # known stream is past reach; None: none known)
+    stream_tpot_slo_s: float | None = None
+    # prompts queued here in the foreground that decode here too: they become streams
+    # before a prompt queued now gets its chunks
+    queued_streams: int = 0
+    queued_context: int = 0  # their prompt tokens
+    queued_tokens_left: float = 0.0  # tokens each will generate, on average
     num_requests: int = 0  # running + waiting: an idle replica has none
     kv_bytes_per_token: int = 0
     address: str | None = None  # the advertised KV transport address (a transfer's peer)

@@ -360,3 +360,41 @@ def test_a_decode_replica_whose_steps_cost_nothing_still_prices_a_remote_prefill
     d = replica("d1", coefficients=free, queue_tokens=1, queue_work=100)  # a queued step priced at 0 s
     candidate = predict.remote(predict.RequestShape(1, 1), replica("p1", "prefill", coefficients=free), d, 0, 0)
     assert candidate.prediction.tpot_s >= 0.0
+
+
+def test_a_prompt_queued_ahead_decodes_beside_a_local_prefill_and_is_protected():
+    """A long prompt queued ahead on the decode replica becomes a stream before a second
+    one's chunks run: a local prefill would stall it past its objective, so the second
+    goes remote; with nothing queued ahead, local is free."""
+    slo = SLO(ttft_ms=5000, tpot_ms=15)
+    alone = decide(ctx(prompt_len=2000, slo=slo, max_tokens=16))
+    assert (alone.route, alone.candidate.kind) == ("local", "local")
+    queued = replica("d1", queue_tokens=1500, queued_streams=1, queued_context=1500, queued_tokens_left=16.0,
+                     stream_tpot_slo_s=0.015)
+    local = predict.local(ctx(prompt_len=2000).shape, queued, 0)
+    assert local.num_streams == 1
+    # four 511-token chunks of ~57 ms beside the queued stream's first 4 of 15 gaps
+    assert local.prediction.streams_tpot_s == pytest.approx((4 * 0.0566 + 11 * 0.0055) / 15, rel=0.02)
+    decision = decide(ctx(prompt_len=2000, slo=slo, decode=queued, max_tokens=16))
+    assert (decision.route, decision.reason) == ("disagg", "slo-disagg")
+
+
+def test_streams_that_spent_their_slack_are_held_to_what_is_left():
+    """Eight streams with 40 tokens left at 9 ms a gap: a fresh 12 ms objective allows a short
+    foreground prefill beside them (one 29 ms step, then 9.5 ms gaps with this request:
+    10 ms a gap over what is left); streams whose earlier gaps left them 9.5 ms do not; streams already past reach are not
+    protected at all."""
+    from router.auto_policy import score
+
+    streams = dict(BUSY_STREAMS, stream_tokens_left=40.0)
+
+    def local_meets(allowance: float) -> bool:
+        context = ctx(prompt_len=200, slo=SLO(ttft_ms=2000, tpot_ms=12),
+                      decode=replica("d1", stream_tpot_slo_s=allowance, **streams))
+        local = predict.local(context.shape, context.decode, 0)
+        assert local.prediction.streams_tpot_s == pytest.approx((0.029 + 39 * 0.0095) / 40, rel=0.02)
+        return score(context, local, local.prediction).meets
+
+    assert local_meets(0.012)
+    assert not local_meets(0.0095)
+    assert local_meets(math.inf)

@@ -136,6 +136,33 @@ def test_a_request_behind_a_long_remote_queue_is_not_yet_a_stream_where_it_will_
     assert view.incoming == {}
 
 
+def test_a_stream_is_held_to_the_tpot_budget_it_has_left():
+    """A 17-token request under a 50 ms TPOT objective has 800 ms for its 16 gaps. Before
+    its first token it is held to the objective; after 5 tokens in 0.4 s it may take
+    (800 - 400) / 12 ms a gap; past its budget it is left out; ended, it is gone."""
+    from cluster.config import SLO
+    from router.placement import PolicyInputs
+
+    view = ClusterView(block_size=16, max_num_seqs=8)
+    view.update([replica("d1", "decode")])
+    local = WorkloadProfile(mode="local")
+    inputs = PolicyInputs(slo=SLO(ttft_ms=1000, tpot_ms=50), now=10.0)
+    p = place(view, [1] * 40, 17, local, None, offload_to_prefill=False, inputs=inputs)
+    assert p.max_tokens == 17
+    view.begin(p)
+    d = view.replicas["d1"]
+    assert view.load_of(d, now=10.0).stream_tpot_slo_s == pytest.approx(0.050)
+    assert view.queued_here("d1") == (1, 40, 17)  # queued to prefill here, then decoding here
+    view.prefill_done(p, now=11.0, num_tokens=1)
+    assert view.queued_here("d1") == (0, 0, 0)
+    view.streamed(p, 4)
+    assert view.load_of(d, now=11.4).stream_tpot_slo_s == pytest.approx((0.8 - 0.4) / 12)
+    assert view.load_of(d, now=11.9).stream_tpot_slo_s == float("inf")  # past reach
+    assert view.load_of(d).stream_tpot_slo_s == pytest.approx(0.050)  # no clock: the objective
+    view.end(p)
+    assert view.load_of(d, now=12.0).stream_tpot_slo_s is None and view.slo_streams == {}
+
+
 def test_n_sequences_count_n_streams_where_they_decode():
     """A request of 4 sequences: 4 in flight and 4 streams on its decode replica after the
     first token, one prefill on the prefill replica; the next request sees that load."""

@@ -331,6 +331,8 @@ def _run_stream(chunks, include_usage=True, shape=None):
 
     events = "".join(asyncio.run(consume()))
     assert view.inflight == {}  # the call was released
+    # the view saw every token after the first chunk come back (its streams' progress)
+    assert runs[0].call.placement.tokens_back == sum(len(c.token_ids) for c in chunks[1:])
     return events, runs[0].call.stream
 
 
