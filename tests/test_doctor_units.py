@@ -226,6 +226,24 @@ def _pools(prefill_waiting: float, prefill_running: float, decode_waiting: float
     return _window(gauges=_gauges(fams, fams, fams))
 
 
+def _step_seconds(pool: str, cpu: float, run_wait: float) -> str:
+    return "".join(f'pdc_engine_step_seconds_total{{model="m",pool="{pool}",part="{part}"}} {v}\n'
+                   for part, v in (("cpu", cpu), ("run_wait", run_wait), ("wall", cpu + run_wait)))
+
+
+def test_crowded_node():
+    """A pool whose engine threads waited a quarter of their CPU time for a core; not one
+    that waited less, nor a window with too little computing to judge."""
+    crowded = S.crowded_node(Evidence(window=_window(_step_seconds("decode", 8.0, 3.0)
+                                                     + _step_seconds("prefill", 8.0, 0.5))))
+    assert _symptoms(crowded) == ["crowded-node"]
+    assert crowded[0].numbers["pools"]["decode"]["wait_share"] == pytest.approx(0.375)
+    assert "decode engines waited 3.0 s" in crowded[0].evidence and "prefill engines" not in crowded[0].evidence
+    assert S.crowded_node(Evidence(window=_window(_step_seconds("decode", 8.0, 1.6)))) == []
+    assert S.crowded_node(Evidence(window=_window(_step_seconds("decode", 0.5, 0.5)))) == []
+    assert S.crowded_node(Evidence()) == []
+
+
 def test_pool_imbalance():
     found = S.pool_imbalance(Evidence(window=_pools(4, 2, 0, 1)))
     assert _symptoms(found) == ["prefill-saturated"]
@@ -357,6 +375,7 @@ def test_every_symptom_has_a_check():
         Evidence(records=_crowd(2000)),
         Evidence(window=_pools(4, 2, 0, 1)),
         Evidence(window=_pools(0, 0, 5, 16)),
+        Evidence(window=_window(_step_seconds("decode", cpu=10.0, run_wait=4.0))),
         Evidence(window=_window(_ttft_hist("w", "disagg", 10, 2.0)
                                 + "pdc_kv_transfer_seconds_sum 1.6\npdc_kv_transfer_seconds_count 10\n")),
         Evidence(window=_window(_ttft_hist("w", "local", 10, 2.0) + _queue("admission", 10, 1.5))),

@@ -76,3 +76,14 @@ def test_engine_queue_times_are_the_engine_stage_of_the_queue_histogram():
     assert got[("pdc_request_queue_seconds_count", labels)] == 2
     assert got[("pdc_request_queue_seconds_sum", labels)] == 0.3
     assert got[("pdc_request_queue_seconds_bucket", (("le", "0.001"), *labels))] == 1
+
+
+def test_step_seconds_reach_prometheus_by_part():
+    m = WorkerMetrics("tiny", "decode", "r5")
+    m.update_from_stats({"step_wall_seconds_total": 1.0, "step_cpu_seconds_total": 0.7,
+                         "step_run_wait_seconds_total": 0.2})
+    m.update_from_stats({"step_wall_seconds_total": 3.0, "step_cpu_seconds_total": 2.0,
+                         "step_run_wait_seconds_total": 0.75})
+    got = {dict(labels)["part"]: v for (name, labels), v in _samples(m).items()
+           if name == "pdc_engine_step_seconds_total" and dict(labels)["pool"] == "decode"}
+    assert got == {"wall": 3.0, "cpu": 2.0, "run_wait": 0.75}

@@ -67,6 +67,10 @@ class WorkerMetrics:
         self.kv_received_bytes = Counter(
             "pdc_kv_received_bytes", "KV bytes decode replicas received, by data path (tcp, inline, "
             "shm, pg)", ["model", "path"], registry=r)
+        self.step_seconds = Counter(
+            "pdc_engine_step_seconds", "Engine steps that ran a batch, by part: their wall time, the engine "
+            "thread's CPU time in them, and its time runnable but waiting for a core (a crowded node)",
+            ["model", "pool", "part"], registry=r)
         self.engine_queue = Histogram(QUEUE_SECONDS, QUEUE_HELP, ["model", "stage"],
                                       buckets=LATENCY_BUCKETS, registry=r)
         names = ("model", "pool", "replica")
@@ -103,6 +107,8 @@ class WorkerMetrics:
             self._mirror(self.stream_calls, stats, f"stream_{method}_calls_total", method)
         for outcome in ("reused", "allocated", "fallback"):
             self._mirror(self.export_buffers, stats, f"export_buffers_{outcome}_total", outcome)
+        for part in ("wall", "cpu", "run_wait"):
+            self._mirror(self.step_seconds, stats, f"step_{part}_seconds_total", labels["pool"], part)
         self._mirror_family(self.kv_rejections, stats, "kv_rejections_")
         self._mirror_family(self.kv_received_bytes, stats, "kv_received_bytes_")
         self.blocks_free.labels(**labels).set(stats.get("kv_blocks_free", 0))

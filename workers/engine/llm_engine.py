@@ -90,6 +90,9 @@ class LLMEngine:
         self._thread_clock = ThreadClock()
         self.num_background_requests = 0  # added with `yield_to_decode` (spilled prompts)
         self.num_prompt_tokens_computed = 0  # prompt positions run through the model (recomputes too)
+        # over the steps that ran a batch: their wall time, the engine thread's CPU time in
+        # them and its time waiting for a core (`thread_clock.py`), in seconds
+        self.step_seconds = {"wall": 0.0, "cpu": 0.0, "run_wait": 0.0}
         self.requests: dict[str, Sequence] = {}  # unfinished, by `Sequence.seq_id`
         self.best_of = BestOf()  # holds the outputs of `best_of > n` requests until they end
         self.reservations: dict[str, Sequence] = {}  # KV imports in flight, by transfer id
@@ -356,6 +359,9 @@ class LLMEngine:
             cpu_time_s=max(0.0, thread.cpu_s), run_wait_s=max(0.0, thread.wait_s))
         self.step_records.append(record)
         if batch:
+            self.step_seconds["wall"] += step_time_s
+            self.step_seconds["cpu"] += record.cpu_time_s
+            self.step_seconds["run_wait"] += record.run_wait_s
             self.step_cost.observe(record)
             self.cost_fit.observe(record)
             self.scheduler.yield_tokens = self.step_cost.yield_tokens(DEFAULT_YIELD_TOKENS,
@@ -485,8 +491,8 @@ class LLMEngine:
                 "max_num_batched_tokens": self.scheduler.max_num_batched_tokens,
             }
 
-    def _counters(self) -> dict[str, int]:
-        return {
+    def _counters(self) -> dict[str, float]:
+        return {f"step_{part}_seconds_total": seconds for part, seconds in self.step_seconds.items()} | {
             "prefix_cache_queries": self.block_manager.num_queried_tokens,
             "prefix_cache_hits": self.block_manager.num_hit_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
