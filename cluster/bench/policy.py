@@ -178,7 +178,8 @@ class Simulation:
         while self.pending and self.pending[0][0] <= self.num_decided:
             _, _, event, placement = heapq.heappop(self.pending)
             if event == "first":
-                self.view.prefill_done(placement) if placement.prefill_replica else self.view.first_token(placement)
+                # with the clock: each stream's TPOT allowance is priced from its progress
+                self.view.prefill_done(placement, self.now, placement.num_sequences)
             else:
                 self.view.end(placement)
                 self._learn(placement)
