@@ -112,6 +112,15 @@ def parse_steps_query(query: dict[str, str]) -> StepsRequest:
     return StepsRequest(since, int(raw_limit))
 
 
+def parse_limit(raw: str | None, maximum: int, default: int = 100) -> int:
+    """`?limit=N` (0..`maximum`, `default` when absent); 400 naming the parameter."""
+    if raw is None:
+        return min(default, maximum)
+    if not raw.isdigit() or int(raw) > maximum:
+        raise bad_request(f"limit must be an integer from 0 to {maximum}", param="limit")
+    return int(raw)
+
+
 async def collect_steps(streams: WorkerStreams | None, view: ClusterView, req: StepsRequest,
                         timeout_s: float = STEPS_TIMEOUT_S, engine: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every known replica's records, asked concurrently; one that cannot answer (no

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from router import predict
 from router.corrections import EMPTY, LearnedState
-from router.policy import RouteContext, RouteDecision, RoutingPolicy
+from router.policy import Alternative, RouteContext, RouteDecision, RoutingPolicy
 from router.predict import Candidate, Prediction
 
 EXPLORE_BUCKETS = 10_000
@@ -146,9 +146,10 @@ class AutoPolicy(RoutingPolicy):
             return RouteDecision("local", "prefill-unhealthy" if ctx.num_healthy_prefill == 0 else "decode-busy")
         chosen = best(scored)
         probe = self._explore(ctx, scored, chosen)
+        alternatives = tuple(Alternative(s.candidate, s.prediction, s.meets, s.loss) for s in scored)
         if probe is not None:
-            return _decision(probe, "explore")
-        return _decision(chosen, self._reason(ctx, chosen))
+            return _decision(probe, "explore", alternatives)
+        return _decision(chosen, self._reason(ctx, chosen), alternatives)
 
     def _reason(self, ctx: RouteContext, chosen: Scored) -> str:
         if not chosen.meets:
@@ -177,7 +178,7 @@ def in_explore_bucket(request_id: str, fraction: float) -> bool:
     return bucket < fraction * EXPLORE_BUCKETS
 
 
-def _decision(s: Scored, reason: str) -> RouteDecision:
+def _decision(s: Scored, reason: str, alternatives: tuple[Alternative, ...] = ()) -> RouteDecision:
     c = s.candidate
     return RouteDecision(c.route, reason, yield_prefill=c.kind == "background", candidate=c,
-                         prediction=s.prediction)
+                         prediction=s.prediction, alternatives=alternatives)

@@ -35,6 +35,7 @@ from router import (
 from router.api_keys import ApiKeys
 from router.cluster_view import ClusterView
 from router.control_plane import ProfileChangeRefused
+from router.decision_log import DECISION_LOG_SIZE, DecisionLog
 from router.errors import (
     RequestTimedOut,
     bad_request,
@@ -136,6 +137,7 @@ class Router:
             observer=self.metrics)
         self.source_id = f"router:{_replica_id()}"
         self.learner = PolicyLearner(self.config.router, self.metrics, self.source_id)
+        self.decisions = DecisionLog()
         self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
 
     # ---- cluster state ----------------------------------------------------------------
@@ -233,9 +235,10 @@ class Router:
             for i, (ids, _) in enumerate(prompts)]
         tenant = key.tenant if key else ANONYMOUS
         calls = await self._start_calls(drafts, tenant, workload)
-        for call in calls:
+        for draft, call in zip(drafts, calls, strict=True):
             self.metrics.record_route(call.route, call.reason, workload)
             self.metrics.record_worker_call(call.path)
+            self.decisions.record(draft.request_id, workload, call.placement)
         runs = [streaming.PromptRun(i, ids, text, call)
                 for i, ((ids, text), call) in enumerate(zip(prompts, calls, strict=True))]
         headers = {"x-pd-route": calls[0].route, "x-pd-reason": calls[0].reason,
@@ -362,7 +365,14 @@ class Router:
     async def admin_reset_policy(self, request: Request) -> JSONResponse:
         admin.check_admin(request.headers.get("authorization"), self.admin_token)
         self.learner.reset()
+        self.decisions.clear()
         return JSONResponse(self.learner.describe(self.view))
+
+    @app.get("/admin/decisions")
+    async def admin_get_decisions(self, request: Request) -> JSONResponse:
+        admin.check_admin(request.headers.get("authorization"), self.admin_token)
+        limit = admin.parse_limit(request.query_params.get("limit"), DECISION_LOG_SIZE)
+        return JSONResponse({"router": self.source_id, "decisions": self.decisions.read(limit)})
 
     async def _change_profiles(self, change) -> int:
         """Await a ControlPlane profile write; its refusal becomes the HTTP error (409/404/400)."""

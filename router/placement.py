@@ -68,6 +68,7 @@ class Placement:
     max_tokens: int = 0  # tokens each of its sequences may generate
     first_token_at: float | None = None  # the policy's clock at its first token (None: not told)
     tokens_back: int = 0  # tokens its sequences have streamed back, all sequences together
+    context: RouteContext | None = field(default=None, repr=False)  # what the policy read (the decision log)
 
     def tpot_allowance(self, now: float | None) -> float | None:
         """The mean gap its streams can still take over the tokens they have left and
@@ -86,15 +87,20 @@ class Placement:
 
 def place(view: ClusterView, prompt_ids: list[int], max_tokens: int, profile: WorkloadProfile,
           forced_mode: str | None, offload_to_prefill: bool = True, work: RequestWork = PLAIN,
-          inputs: PolicyInputs = PolicyInputs()) -> Placement:
-    """Where the request runs; a 503 `APIError` when no replica can take it."""
-    placement = _place(view, prompt_ids, max_tokens, profile, forced_mode, offload_to_prefill, work, inputs)
+          inputs: PolicyInputs = PolicyInputs(), keep_context: bool = False) -> Placement:
+    """Where the request runs; a 503 `APIError` when no replica can take it. With
+    `keep_context`, the placement keeps what the policy read (for the decision log; a
+    simulator of many requests leaves it off)."""
+    placement, ctx = _place(view, prompt_ids, max_tokens, profile, forced_mode, offload_to_prefill, work, inputs)
     placement.max_tokens = max_tokens
+    if keep_context:
+        placement.context = ctx
     return placement
 
 
 def _place(view: ClusterView, prompt_ids: list[int], max_tokens: int, profile: WorkloadProfile,
-           forced_mode: str | None, offload_to_prefill: bool, work: RequestWork, inputs: PolicyInputs) -> Placement:
+           forced_mode: str | None, offload_to_prefill: bool, work: RequestWork,
+           inputs: PolicyInputs) -> tuple[Placement, RouteContext | None]:
     hashes = block_hashes(prompt_ids, view.block_size)
     # Hashes a replica's cache could serve: none when the prompt is recomputed whole. All
     # of `hashes` are still recorded where it goes: the engine registers its blocks.
@@ -108,7 +114,7 @@ def _place(view: ClusterView, prompt_ids: list[int], max_tokens: int, profile: W
     prefill = ranked[0] if ranked else None
     if not decodes:  # only prefill replicas are left: they can run requests whole
         decision = _whole_decision(view, prefill, prompt_ids, hits, max_tokens, profile, work, inputs)
-        return _whole_on(view, prefill, hashes, hits, prompt_ids, decision, work, inputs)
+        return _whole_on(view, prefill, hashes, hits, prompt_ids, decision, work, inputs), None
     decode, hit_blocks = _choose_decode(view, decodes, hits)
     num_cached = min(hit_blocks * view.block_size, len(prompt_ids) - 1)
     whole = prefill if offload_to_prefill and prefill is not None and _prefer_prefill(
@@ -131,11 +137,11 @@ def _place(view: ClusterView, prompt_ids: list[int], max_tokens: int, profile: W
         chosen = decision.candidate.prefill_replica if decision.candidate is not None else prefill.replica_id
         prefill_hit = _cached(view, view.replicas[chosen], hits, prompt_ids)
         return _placed(view, "decode", decode.replica_id, chosen, decision, num_cached, hashes, prompt_ids,
-                       prefill_hit, chosen, work, inputs)
+                       prefill_hit, chosen, work, inputs), ctx
     if kind == "whole" and whole is not None:
-        return _whole_on(view, whole, hashes, hits, prompt_ids, decision, work, inputs)
+        return _whole_on(view, whole, hashes, hits, prompt_ids, decision, work, inputs), ctx
     return _placed(view, "decode", decode.replica_id, None, decision, num_cached, hashes, prompt_ids, num_cached,
-                   decode.replica_id, work, inputs)
+                   decode.replica_id, work, inputs), ctx
 
 
 def _whole_decision(view: ClusterView, prefill: ReplicaInfo, prompt_ids: list[int], hits: list[int],

@@ -102,6 +102,17 @@ class RouteContext:
 
 
 @dataclass(frozen=True)
+class Alternative:
+    """One candidate as the policy judged it: its corrected prediction, whether it kept
+    every objective, and the goodput it was expected to lose."""
+
+    candidate: Candidate
+    prediction: Prediction
+    meets: bool
+    loss: float
+
+
+@dataclass(frozen=True)
 class RouteDecision:
     route: Route
     reason: str
@@ -110,6 +121,8 @@ class RouteDecision:
     yield_prefill: bool = False
     candidate: Candidate | None = None  # the way it runs: replicas, chunk size, raw prediction
     prediction: Prediction | None = None  # what the router expects (corrected), for the headers
+    # every candidate `auto` priced, the chosen one included (empty for the fixed rules)
+    alternatives: tuple[Alternative, ...] = ()
 
     def __post_init__(self) -> None:
         assert self.route in ("local", "disagg"), self.route

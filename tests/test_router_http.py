@@ -299,8 +299,10 @@ def test_metrics_show_every_name_after_traffic(client):
     assert 'pool="decode"' in text and 'pool="prefill"' in text
     assert not any(s.startswith("pdc_") and s.split("_")[1] not in
                    ("time", "inter", "e2e", "route", "kv", "prefix", "num", "worker", "export", "prompt",
-                    "prediction", "policy", "request", "requests") for s in samples)
-    assert {"pdc_prediction_abs_pct_error_bucket", "pdc_policy_correction_factor"} <= samples, samples
+                    "prediction", "policy", "request", "requests", "engine") for s in samples)
+    assert {"pdc_prediction_abs_pct_error_bucket", "pdc_policy_correction_factor",
+            "pdc_engine_step_seconds_total"} <= samples, samples
+    assert 'part="run_wait"' in text and 'part="cpu"' in text
 
 
 def test_generate_travels_over_the_worker_stream(client):
@@ -752,6 +754,31 @@ def test_admin_policy_shows_models_and_corrections_and_resets(client):
     reset = client.post("/admin/policy/reset", headers=auth).json()
     assert reset["reset_at"] is not None
     assert not any(r.get("corrections") for r in reset["replicas"].values()), reset
+
+
+def test_admin_decisions_explain_each_route_with_every_candidate_priced(client):
+    assert_openai_error(client.get("/admin/decisions"), 401)
+    auth = {"authorization": f"Bearer {TOKEN}"}
+    assert_openai_error(client.get("/admin/decisions?limit=x", headers=auth), 400)
+    sent: set[str] = set()
+    deadline = time.monotonic() + 30  # two router replicas: until the one answering has routed one of ours
+    while True:
+        request_id = f"explain-{len(sent)}-{time.monotonic_ns()}"
+        sent.add(request_id)
+        r = complete(client, f"explain this route {request_id} " * 4, max_tokens=3,
+                     headers={"x-pd-mode": "auto", "x-request-id": request_id})
+        assert r.status_code == 200, r.text
+        body = client.get("/admin/decisions?limit=5", headers=auth).json()
+        ours = [d for d in body["decisions"] if d["request_id"] in sent]
+        if ours or time.monotonic() > deadline:
+            break
+    assert body["router"] and len(body["decisions"]) <= 5
+    d = ours[-1]
+    assert d["route"] in ("local", "disagg") and d["prompt_len"] > 0 and d["max_tokens"] == 3
+    kinds = {a["kind"] for a in d["alternatives"]}
+    assert d["kind"] in kinds and {"local", "remote"} <= kinds
+    assert all(a["ttft_ms"] > 0 and isinstance(a["meets"], bool) for a in d["alternatives"])
+    assert d["decode"]["replica"] == d["decode_replica"] and d["prefills"]
 
 
 @pytest.fixture()

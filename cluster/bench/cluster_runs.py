@@ -86,6 +86,7 @@ class Bench:
         if config.cell is not None:  # what the policy learned and how far off it was, kept beside the run
             policy = self.admin.describe()
             (out_dir / "policy.json").write_text(json.dumps(policy, indent=1) + "\n")
+            (out_dir / "decisions.json").write_text(json.dumps(self.admin.decisions(), indent=1) + "\n")
             error = policy.get("prediction_error", {})
         time.sleep(PAUSE_S)
         return RunResult(figures, run.records, error)

@@ -50,7 +50,7 @@ class PolicyAdmin:
                        json=workload_profile("auto", {k: float(v) for k, v in slo.as_dict().items()}))
 
     def reset(self) -> None:
-        """Forget the policy's corrections and its prediction-error window."""
+        """Forget the policy's corrections, its prediction-error window and its decision log."""
         self._call("POST", "/admin/policy/reset")
 
     def describe(self) -> dict:
@@ -58,6 +58,11 @@ class PolicyAdmin:
         `prediction_error` (per route since the last reset: {ttft_mape, ttft_samples,
         tpot_mape, tpot_samples})."""
         return self._call("GET", "/admin/policy")
+
+    def decisions(self) -> dict:
+        """GET /admin/decisions: the router's routing decisions since the last reset (up to
+        its log's size), each with every candidate it priced."""
+        return self._call("GET", "/admin/decisions?limit=512")
 
     def _call(self, method: str, path: str, **kwargs) -> dict:
         resp = httpx.request(method, self.url + path, headers=self._headers, timeout=30, **kwargs)

@@ -11,6 +11,7 @@ from, so `auto` corrects its predictions as it would live.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from cluster.plan.sim.config import SimConfig
@@ -57,6 +58,8 @@ class SimRouter:
         self.view.begin(placement)
         self.decision_wall_s += time.perf_counter() - start
         self.num_decisions += 1
+        if placement.decision.alternatives:  # a run keeps every placement: not the candidates it passed over
+            placement.decision = dataclasses.replace(placement.decision, alternatives=())
         return placement
 
     def first_token(self, placement: Placement) -> None:

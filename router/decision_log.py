@@ -1,0 +1,80 @@
+"""A router replica's recent routing decisions, each with what the policy saw and every
+candidate it priced (`GET /admin/decisions`): why a request went where it went.
+
+Recording keeps references only (the request's placement, which holds the context the
+policy read and its decision); entries are formatted when read, so the hot path pays an
+append to a bounded deque.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from router.placement import Placement
+from router.policy import Alternative
+from router.replica_load import ReplicaLoad
+
+DECISION_LOG_SIZE = 512  # decisions kept per router replica
+
+
+@dataclass(frozen=True)
+class _Entry:
+    request_id: str
+    workload: str
+    at: float  # unix seconds
+    placement: Placement
+
+
+class DecisionLog:
+    def __init__(self, size: int = DECISION_LOG_SIZE) -> None:
+        self._entries: deque[_Entry] = deque(maxlen=size)
+
+    def record(self, request_id: str, workload: str, placement: Placement, at: float | None = None) -> None:
+        self._entries.append(_Entry(request_id, workload, time.time() if at is None else at, placement))
+
+    def read(self, limit: int = 100) -> list[dict[str, Any]]:
+        """The newest `limit` decisions, oldest first."""
+        entries = list(self._entries)[-limit:] if limit > 0 else []
+        return [describe(e.request_id, e.workload, e.at, e.placement) for e in entries]
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+def describe(request_id: str, workload: str, at: float, placement: Placement) -> dict[str, Any]:
+    decision, ctx = placement.decision, placement.context
+    return {
+        "request_id": request_id, "at": round(at, 3), "workload": workload,
+        "prompt_len": placement.prompt_len, "max_tokens": placement.max_tokens,
+        "route": decision.route, "reason": decision.reason,
+        "kind": decision.candidate.kind if decision.candidate is not None else None,
+        "decode_replica": placement.target_replica, "prefill_replica": placement.prefill_on,
+        "decode": _load(ctx.decode) if ctx is not None and ctx.decode is not None else None,
+        "prefills": [_load(p) for p in ctx.prefills] if ctx is not None else [],
+        "alternatives": [_alternative(a) for a in decision.alternatives],
+    }
+
+
+def _load(r: ReplicaLoad) -> dict[str, Any]:
+    """What the policy read of one replica."""
+    return {"replica": r.replica_id, "queue_tokens": r.queue_tokens, "requests": r.num_requests,
+            "streams": r.num_streams, "queued_streams": r.queued_streams,
+            "stream_allowance_ms": _ms(r.stream_tpot_slo_s), "recent_gap_ms": _ms(r.recent_gap_s),
+            "node_busy": r.node_busy}
+
+
+def _alternative(a: Alternative) -> dict[str, Any]:
+    c, p = a.candidate, a.prediction
+    return {"kind": c.kind, "decode_replica": c.decode_replica, "prefill_replica": c.prefill_replica,
+            "chunk_tokens": c.chunk_tokens, "ttft_ms": _ms(p.ttft_s), "tpot_ms": _ms(p.tpot_s),
+            "streams_tpot_ms": _ms(p.streams_tpot_s), "streams": c.num_streams, "meets": a.meets,
+            "loss": round(a.loss, 4)}
+
+
+def _ms(seconds: float | None) -> float | None:
+    if seconds is None:
+        return None
+    return round(seconds * 1e3, 3) if seconds != float("inf") else None
