@@ -230,6 +230,7 @@ def _setup(opts: BenchOptions, workloads: dict, baseline) -> dict:
                       "num_long": opts.scenario_num_long, "shift_half_s": opts.shift_half_s},
         "baseline": describe(baseline),
         "workloads": {name: w.describe() for name, w in workloads.items()},
-        "order": "per repeat: every workload, configurations rotated; then each scenario once per configuration",
+        "order": "per repeat: every workload, configurations rotated; then each scenario once per configuration, "
+                 "load_shift before disagg_hurts",
         "out": str(opts.out),
     }
