@@ -19,8 +19,19 @@ PROMPTS = random_prompts([5, 40, 300, 17, 120], seed=3)
 
 
 def _without_model(stats: dict) -> dict:
-    """The stats less what is measured in time (the step model, the recent stream gap)."""
-    return {k: v for k, v in stats.items() if k != "step_model" and not k.startswith("recent_")}
+    """The stats less what is measured in time (the step model, the recent stream gap, the
+    steps' seconds)."""
+    return {k: v for k, v in stats.items()
+            if k != "step_model" and not k.startswith("recent_") and not k.endswith("_seconds_total")}
+
+
+def test_the_warm_up_puts_the_steps_seconds_back(make_engine):
+    engine = make_engine()
+    engine.generate(PROMPTS[:1], greedy(3))
+    before = {k: v for k, v in engine.stats().items() if k.endswith("_seconds_total")}
+    assert before["step_wall_seconds_total"] > 0 and before["step_cpu_seconds_total"] > 0
+    engine.warmup()
+    assert {k: v for k, v in engine.stats().items() if k.endswith("_seconds_total")} == before
 
 
 def test_the_warm_up_seeds_the_fit_and_leaves_nothing_behind(make_engine):

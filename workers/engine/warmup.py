@@ -138,12 +138,14 @@ class _Counters:
     num_preemptions: int
     num_background_requests: int
     num_prompt_tokens_computed: int
+    step_seconds: tuple[tuple[str, float], ...]
 
     @classmethod
     def of(cls, engine: LLMEngine) -> _Counters:
         bm = engine.block_manager
         return cls(bm.num_queried_tokens, bm.num_hit_tokens, engine.scheduler.num_preemptions,
-                   engine.num_background_requests, engine.num_prompt_tokens_computed)
+                   engine.num_background_requests, engine.num_prompt_tokens_computed,
+                   tuple(engine.step_seconds.items()))
 
     def restore(self, engine: LLMEngine) -> None:
         bm = engine.block_manager
@@ -151,3 +153,4 @@ class _Counters:
         engine.scheduler.num_preemptions = self.num_preemptions
         engine.num_background_requests = self.num_background_requests
         engine.num_prompt_tokens_computed = self.num_prompt_tokens_computed
+        engine.step_seconds = dict(self.step_seconds)
