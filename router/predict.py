@@ -183,13 +183,18 @@ def _prefill(r: ReplicaLoad, start: int, end: int, foreground: bool = False) -> 
                     own_chunks, own_s / own_chunks if own_chunks else 0.0)
 
 
+def _mean_gap(gaps: float, slow_steps: float, slow_step_s: float, after_step_s: float) -> float:
+    """The mean of `gaps` gaps, the first `slow_steps` of them (at most all) `slow_step_s`
+    long and the rest `after_step_s`."""
+    slow = min(max(slow_steps, 0.0), gaps)
+    return (slow * slow_step_s + (gaps - slow) * after_step_s) / gaps
+
+
 def _streams_tpot(r: ReplicaLoad, busy_steps: float, busy_step_s: float, after_step_s: float) -> float:
     """The streams' mean gap over what they have left: `busy_steps` slow ones, then the rest."""
     if r.num_streams == 0:
         return 0.0
-    life = max(r.stream_tokens_left, 1.0)
-    slow = min(busy_steps, life)
-    return (slow * busy_step_s + (life - slow) * after_step_s) / life
+    return _mean_gap(max(r.stream_tokens_left, 1.0), busy_steps, busy_step_s, after_step_s)
 
 
 def _queued_tpot(r: ReplicaLoad, own_steps: float, own_step_s: float, after_step_s: float) -> float:
@@ -197,17 +202,13 @@ def _queued_tpot(r: ReplicaLoad, own_steps: float, own_step_s: float, after_step
     beside this prompt's `own_steps` chunks and then at `after_step_s`."""
     if r.queued_streams == 0:
         return 0.0
-    life = max(r.queued_tokens_left - 1.0, 1.0)
-    slow = min(own_steps, life)
-    return (slow * max(own_step_s, after_step_s) + (life - slow) * after_step_s) / life
+    return _mean_gap(max(r.queued_tokens_left - 1.0, 1.0), own_steps, max(own_step_s, after_step_s), after_step_s)
 
 
 def _own_tpot(req: RequestShape, d: ReplicaLoad, queue_steps_left: float, busy_step_s: float) -> float:
     """This request's mean gap on `d`, its queue still prefilling for `queue_steps_left` steps."""
     after = expected_gap_s(d, req.num_sequences * req.decode_cost, req.num_sequences * req.prompt_len)
-    gaps = max(req.max_tokens - 1, 1)
-    slow = min(max(queue_steps_left, 0.0), gaps)
-    return (slow * max(busy_step_s, after) + (gaps - slow) * after) / gaps
+    return _mean_gap(max(req.max_tokens - 1, 1), queue_steps_left, max(busy_step_s, after), after)
 
 
 def remote(req: RequestShape, p: ReplicaLoad, d: ReplicaLoad, prefill_cached: int, decode_cached: int) -> Candidate:
