@@ -20,7 +20,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from cluster.config import WorkloadProfile
-from router.cluster_view import ClusterView
+from router.cluster_view import ClusterView, ReplicaInfo
 from router.control_plane import (
     DefaultWorkloadRequired,
     ProfileChangeRefused,
@@ -129,11 +129,17 @@ async def collect_steps(streams: WorkerStreams | None, view: ClusterView, req: S
     replicas = list(view.replicas.values())
     answers = await asyncio.gather(*(_steps_of(streams, view.stream_address(r.replica_id), req, timeout_s)
                                      for r in replicas))
-    return {"replicas": {r.replica_id: {"role": r.role, **_engine_of(r.stats), **answer}
+    return {"replicas": {r.replica_id: {"role": r.role, **_node_of(r), **_engine_of(r.stats), **answer}
                          for r, answer in zip(replicas, answers, strict=True)},
             # the router's engine settings (a pool may override them; its replicas' own
             # heartbeats give their KV pool and token budget under "engine")
             "engine": {"block_size": view.block_size, "max_num_seqs": view.max_num_seqs, **(engine or {})}}
+
+
+def _node_of(replica: ReplicaInfo) -> dict[str, str]:
+    """The replica's machine, where its heartbeats named one (the planner rates each
+    node's streams from its own replicas' records)."""
+    return {"node_id": replica.node_id} if replica.node_id else {}
 
 
 def _engine_of(stats: dict[str, Any]) -> dict[str, Any]:

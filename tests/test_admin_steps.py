@@ -60,7 +60,7 @@ def test_every_replica_answers_or_is_listed_with_an_error():
         view = ClusterView(16, 8)
         view.update([ReplicaInfo(name, "prefill" if name == "p0" else "decode",
                                  extra={"stream_address": s.address}) for name, s in servers.items()]
-                    + [ReplicaInfo("d2", "decode")])
+                    + [ReplicaInfo("d2", "decode", node_id="node-2")])
         streams = WorkerStreams(StreamCodec(KEY))
         try:
             got = (await collect_steps(streams, view, StepsRequest(101.0, 3), timeout_s=1.0))["replicas"]
@@ -70,6 +70,7 @@ def test_every_replica_answers_or_is_listed_with_an_error():
             for name in ("d0", "d1", "d2"):  # silent, no such method, no stream address
                 assert got[name]["role"] == "decode" and got[name]["error"] and not got[name]["steps"]
             assert "no method" in got["d1"]["error"]
+            assert got["d2"]["node_id"] == "node-2" and "node_id" not in got["p0"]  # where a heartbeat named it
             assert (await collect_steps(None, view, StepsRequest()))["replicas"]["p0"]["error"]
         finally:
             streams.close()

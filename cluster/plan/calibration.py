@@ -37,6 +37,7 @@ class StepModel(_Strict):
     decode_context_s: float = Field(ge=0)
     num_samples: int = Field(default=0, ge=0)
     node_contention: float = Field(default=0.0, ge=0)  # per other busy engine of the node
+    node_stream_contention: float = Field(default=0.0, ge=0)  # per decode sequence-step a second of the node
 
     def coefficients(self) -> StepCoefficients:
         return StepCoefficients(**self.model_dump())

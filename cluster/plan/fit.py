@@ -3,7 +3,7 @@ was not fitted on.
 
 The step model is the `auto` policy's (`cost_model`: fixed + per prompt token + per unit
 of prefill attention + per decode sequence + per context token, all >= 0, times the
-slowdown of the node's other engines busy meanwhile), fitted here
+slowdown of the node's other engines busy meanwhile and of its streams lately), fitted here
 on absolute step time rather than the policy's relative error: a simulator's queues and
 throughput follow the MEAN step time, and on a contended machine (a replica sharing its
 cores with others) step times scatter by several times with a long upper tail, which a
@@ -34,54 +34,74 @@ from workers.engine.cost_model import (
     predict_steps_s,
     step_features,
 )
-from workers.engine.step_cost import StepRecord
 from workers.engine.transfer_cost import DEFAULT_TRANSFER, fit_transfer
 
 HOLD_OUT_EVERY = 5  # every 5th record (per replica, time order) is scored, never fitted
 
 
-def split_held_out(steps: Sequence[ReplicaStep], every: int = HOLD_OUT_EVERY) -> tuple[list[StepRecord], list[StepRecord]]:
+def split_held_out(steps: Sequence[ReplicaStep], every: int = HOLD_OUT_EVERY) -> tuple[list[ReplicaStep], list[ReplicaStep]]:
     """(fitted, held out): the steps with work of each replica in time order, every
     `every`-th one held out."""
     fitted, held_out = [], []
-    by_replica: dict[str, list[StepRecord]] = {}
+    by_replica: dict[str, list[ReplicaStep]] = {}
     for s in steps:
         if has_work(s.record):
-            by_replica.setdefault(s.replica_id, []).append(s.record)
-    for records in by_replica.values():
-        for i, record in enumerate(sorted(records, key=lambda r: r.start_time)):
-            (held_out if i % every == every - 1 else fitted).append(record)
+            by_replica.setdefault(s.replica_id, []).append(s)
+    for kept in by_replica.values():
+        for i, step in enumerate(sorted(kept, key=lambda s: s.record.start_time)):
+            (held_out if i % every == every - 1 else fitted).append(step)
     return fitted, held_out
 
 
-def fit_steps(records: Sequence[StepRecord]) -> StepCoefficients:
-    """The step model over all of `records` (those with work), fitted as the policy fits it."""
-    kept = [r for r in records if has_work(r)]
+def fit_steps(steps: Sequence[ReplicaStep]) -> StepCoefficients:
+    """The step model over all of `steps` (those with work): the work's shape, then how
+    the node stretches it (`fit_work_then_load`)."""
+    kept = [s for s in steps if has_work(s.record)]
     if not kept:
         raise ValueError("no step records with work to fit on")
-    a, t, busy = _design(kept)
-    c, kappa = fit_work_then_wall(a, t, _cpu_times(kept), busy, fit=nnls_mean, loss=squared_loss,
-                                  scale=least_squares_scale)
-    return StepCoefficients.from_vector(c, len(kept), kappa)
+    a, t, busy, rate = _design(kept)
+    c, kappa, gamma = fit_work_then_load(a, t, _cpu_times(kept), busy, rate)
+    return StepCoefficients.from_vector(c, len(kept), kappa, gamma)
 
 
-def fit_reported(records: Sequence[StepRecord]) -> StepCoefficients:
+def fit_work_then_load(a: np.ndarray, wall: np.ndarray, cpu: np.ndarray, busy: np.ndarray,
+                       rate: np.ndarray) -> tuple[np.ndarray, float, float]:
+    """(c, k, g) minimising the squared error of the wall time. Where the records carry
+    the work (`fits_on_cpu_time`): its shape w = a @ c_work on CPU time, then
+    wall = w x (s + s k busy + s g rate) with s, sk, sg >= 0, so the stretch the node puts
+    on the work follows how busy its engines and its streams were; c = s x c_work.
+    Otherwise the shape and k on wall time, g = 0."""
+    if not fits_on_cpu_time(wall, cpu):
+        c, kappa = fit_with_contention(a, wall, busy, fit=nnls_mean, loss=squared_loss)
+        return c, kappa, 0.0
+    c_work, _ = fit_with_contention(a, cpu, busy, fit=nnls_mean, loss=squared_loss)
+    work = np.maximum(MIN_STEP_S, a @ c_work)
+    s, sk, sg = nnls_mean(np.stack([work, work * busy, work * rate], axis=1), wall)
+    if s <= 0:  # the stretch is all load: keep the work's own scale, the load terms on top
+        return fit_work_then_wall(a, wall, cpu, busy, fit=nnls_mean, loss=squared_loss,
+                                  scale=least_squares_scale) + (0.0,)
+    return c_work * s, sk / s, sg / s
+
+
+def fit_reported(steps: Sequence[ReplicaStep]) -> StepCoefficients:
     """The step model as a replica fits it online and reports it to the router (relative
-    error, `cost_model.fit_step_coefficients`) over `records` (those with work)."""
-    kept = [r for r in records if has_work(r)]
-    a, t, busy = _design(kept)
+    error, `cost_model.fit_step_coefficients`; no stream term, which a replica cannot
+    see) over `steps` (those with work)."""
+    kept = [s for s in steps if has_work(s.record)]
+    a, t, busy, _ = _design(kept)
     c, kappa = fit_work_then_wall(a, t, _cpu_times(kept), busy)
     return StepCoefficients.from_vector(c, len(kept), kappa)
 
 
-def _design(records: Sequence[StepRecord]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(feature rows, step times, node busy) of `records`."""
-    return (np.stack([step_features(r).row() for r in records]), np.array([r.step_time_s for r in records]),
-            np.array([r.node_busy for r in records]))
+def _design(steps: Sequence[ReplicaStep]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(feature rows, step times, node busy, node decode rate) of `steps`."""
+    return (np.stack([step_features(s.record).row() for s in steps]),
+            np.array([s.record.step_time_s for s in steps]), np.array([s.record.node_busy for s in steps]),
+            np.array([s.node_decode_rate for s in steps]))
 
 
-def _cpu_times(records: Sequence[StepRecord]) -> np.ndarray:
-    return np.array([r.cpu_time_s for r in records])
+def _cpu_times(steps: Sequence[ReplicaStep]) -> np.ndarray:
+    return np.array([s.record.cpu_time_s for s in steps])
 
 
 def squared_loss(predicted: np.ndarray, measured: np.ndarray) -> float:
@@ -103,13 +123,13 @@ def nnls_mean(a: np.ndarray, t: np.ndarray) -> np.ndarray:
     return c
 
 
-def relative_errors(c: StepCoefficients, records: Sequence[StepRecord]) -> np.ndarray:
-    """|predicted - measured| / measured per record with work, predicted as the policy does."""
-    kept = [r for r in records if has_work(r)]
+def relative_errors(c: StepCoefficients, steps: Sequence[ReplicaStep]) -> np.ndarray:
+    """|predicted - measured| / measured per step with work."""
+    kept = [s for s in steps if has_work(s.record)]
     if not kept:
         return np.zeros(0)
-    a, measured, busy = _design(kept)
-    return np.abs(predict_steps_s(c, a, busy) - measured) / measured
+    a, measured, busy, rate = _design(kept)
+    return np.abs(predict_steps_s(c, a, busy, rate) - measured) / measured
 
 
 def fit_and_score(steps: Sequence[ReplicaStep], every: int = HOLD_OUT_EVERY) -> tuple[StepModel, FitQuality]:
@@ -129,19 +149,19 @@ def fit_and_score(steps: Sequence[ReplicaStep], every: int = HOLD_OUT_EVERY) -> 
     return StepModel.of(c), quality
 
 
-def score_work(fitted: Sequence[StepRecord], held_out: Sequence[StepRecord]) -> tuple[float | None, float | None]:
+def score_work(fitted: Sequence[ReplicaStep], held_out: Sequence[ReplicaStep]) -> tuple[float | None, float | None]:
     """(median relative error of the work model on the held-out steps' CPU time, their
     mean run-queue wait over their mean CPU time); (None, None) unless both sets are
     fitted on CPU time (`fits_on_cpu_time`). The work model is the two-stage fit's first
     stage, fitted as the policy fits it."""
-    a, wall, busy = _design(fitted)
-    held_a, held_wall, held_busy = _design(held_out)
+    a, wall, busy, _ = _design(fitted)
+    held_a, held_wall, held_busy, _ = _design(held_out)
     cpu, held_cpu = _cpu_times(fitted), _cpu_times(held_out)
     if not (fits_on_cpu_time(wall, cpu) and fits_on_cpu_time(held_wall, held_cpu)):
         return None, None
     c, kappa = fit_with_contention(a, cpu, busy)
     predicted = np.maximum(MIN_STEP_S, (held_a @ c) * (1.0 + kappa * held_busy))
-    wait = np.array([r.run_wait_s for r in held_out])
+    wait = np.array([s.record.run_wait_s for s in held_out])
     return float(np.median(np.abs(predicted - held_cpu) / held_cpu)), float(wait.mean() / held_cpu.mean())
 
 

@@ -4,17 +4,22 @@
 On disk, a run directory holds `steps.jsonl` and `transfers.jsonl` beside the load
 test's `requests.jsonl`, one record a line (the record's fields plus `replica_id` and
 `role`), and `deployment.json` with the engine limits the replicas reported, when known.
+Each source's steps are read with their node's decode rate (`with_node_rates`), which
+only all of a node's records together can say.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from transport.transfer_record import TransferRecord
+from workers.engine.cost_model import NODE_RATE_WINDOW_S
 from workers.engine.step_cost import StepRecord
 
 STEPS_FILE = "steps.jsonl"
@@ -27,6 +32,7 @@ class ReplicaStep:
     replica_id: str
     role: str  # prefill | decode
     record: StepRecord
+    node_decode_rate: float = 0.0  # the node's decode sequence-steps a second before it (`with_node_rates`)
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,33 @@ def _merge(into: dict, new: dict) -> None:
             into[key] = value
 
 
+def with_node_rates(steps: Sequence[ReplicaStep], nodes: dict[str, str] | None = None,
+                    window_s: float = NODE_RATE_WINDOW_S) -> list[ReplicaStep]:
+    """`steps` (one source's, every replica's), each with its node's decode rate: the
+    decode sequences of the node's steps started in the `window_s` before it, a second.
+    `nodes` maps a replica to its node; replicas it does not name share one node (a
+    deployment on one machine, as a local run or a benchmark is)."""
+    nodes = nodes or {}
+    by_node: dict[str, list[int]] = {}
+    for i, s in enumerate(steps):
+        by_node.setdefault(nodes.get(s.replica_id, ""), []).append(i)
+    out = list(steps)
+    for members in by_node.values():
+        members.sort(key=lambda i: steps[i].record.start_time)
+        starts = np.array([steps[i].record.start_time for i in members])
+        seqs = np.concatenate(([0.0], np.cumsum([steps[i].record.num_decode_seqs for i in members])))
+        first = np.searchsorted(starts, starts - window_s)
+        rates = (seqs[:-1] - seqs[first]) / window_s
+        for i, rate in zip(members, rates, strict=True):
+            out[i] = dataclasses.replace(steps[i], node_decode_rate=float(rate))
+    return out
+
+
+def node_of_replicas(deployment: dict) -> dict[str, str]:
+    """{replica: node} where the deployment's account names its replicas' nodes."""
+    return {rid: r["node_id"] for rid, r in deployment.get("replicas", {}).items() if r.get("node_id")}
+
+
 def step_of(row: dict) -> StepRecord:
     return StepRecord(**{f.name: row[f.name] for f in dataclasses.fields(StepRecord) if f.name in row})
 
@@ -74,8 +107,10 @@ def from_admin_answer(answer: dict) -> RecordSet:
         role = entry.get("role", "")
         out.steps += [ReplicaStep(replica_id, role, step_of(r)) for r in entry.get("steps", ())]
         out.transfers += [ReplicaTransfer(replica_id, role, transfer_of(r)) for r in entry.get("transfers", ())]
-        if entry.get("engine"):
-            out.deployment.setdefault("replicas", {})[replica_id] = {"role": role, **entry["engine"]}
+        if entry.get("engine") or entry.get("node_id"):
+            node = {"node_id": entry["node_id"]} if entry.get("node_id") else {}
+            out.deployment.setdefault("replicas", {})[replica_id] = {"role": role, **node, **entry.get("engine", {})}
+    out.steps = with_node_rates(out.steps, node_of_replicas(out.deployment))
     return out
 
 
@@ -109,6 +144,7 @@ def read_run_records(run_dir: str | Path) -> RecordSet:
                          for r in _read_jsonl(run / TRANSFERS_FILE)]
     if (run / DEPLOYMENT_FILE).exists():
         out.deployment = json.loads((run / DEPLOYMENT_FILE).read_text())
+    out.steps = with_node_rates(out.steps, node_of_replicas(out.deployment))
     return out
 
 

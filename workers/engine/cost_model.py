@@ -5,12 +5,21 @@
        + c2 * prefill attention work   (sum over prefill chunks: chunk tokens x context)
        + c3 * decode sequences
        + c4 * context tokens attended by decode sequences)
-      * (1 + k * node busy)      the node's other engines computing meanwhile (node_activity.py)
+      * (1 + k * node busy       the node's other engines computing meanwhile (node_activity.py)
+           + g * node decode rate)  the node's streams lately: its serving path's CPU load
 
 The contention factor k is what sharing the machine's cores and memory bandwidth with one
 other busy engine adds to a step (0 where the replica has its node to itself, or where
 its records never saw another engine busy); it is chosen from `CONTENTION_GRID` by the
 same loss, c fitted for each.
+
+The stream term g is what the node's serving path (the HTTP proxy, the router, the
+replicas' streams, and a load tester where it shares the machine) adds: that work grows
+with the tokens streamed, and it takes the same cores. Its feature, the decode
+sequence-steps a second the node's engines ran over the last `NODE_RATE_WINDOW_S`, is
+not in a replica's own records; the planner computes it from all of a node's records
+(`cluster/plan/records.py`) and fits g (`fit_work_then_load`), and its simulator keeps
+the same rate per node. A replica's online fit leaves g at 0.
 
 Fitted online over a sliding window of step records, minimising the relative error
 sum(((pred - t) / t)^2) (weighted least squares with weights 1 / t^2, so a 5 ms decode
@@ -28,6 +37,7 @@ node's other load puts on that work, on average, as the step model must predict 
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
@@ -42,6 +52,7 @@ MIN_FULL_FIT = 16  # fewer records (or a rank-deficient window): c0 + one term
 MIN_STEP_S = 1e-6  # predictions never go below this
 CONTENTION_GRID = (0.0, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 1.0, 1.3, 1.7, 2.2, 3.0)
 MIN_CPU_SHARE = 0.5  # median CPU time / wall time of a window fitted in two stages
+NODE_RATE_WINDOW_S = 1.0  # the node decode rate counts the steps started this long before
 
 
 @dataclass(frozen=True)
@@ -53,6 +64,7 @@ class StepFeatures:
     decode_seqs: float = 0.0
     decode_context_tokens: float = 0.0
     node_busy: float = 0.0  # other engines of the node busy meanwhile (scales the row, not in it)
+    node_decode_rate: float = 0.0  # decode sequence-steps a second on the node lately (scales the row)
 
     def row(self) -> np.ndarray:
         """[1, x1, x2, x3, x4]: the design-matrix row (the 1 multiplies c0)."""
@@ -71,6 +83,7 @@ class StepCoefficients:
     decode_context_s: float
     num_samples: int = 0
     node_contention: float = 0.0  # k: the step's slowdown per other busy engine of its node
+    node_stream_contention: float = 0.0  # g: its slowdown per decode sequence-step a second on its node
 
     def vector(self) -> np.ndarray:
         return np.array([self.fixed_s, self.prefill_token_s, self.prefill_attention_s,
@@ -84,8 +97,14 @@ class StepCoefficients:
         return cls(**data)
 
     @classmethod
-    def from_vector(cls, c: np.ndarray, num_samples: int, node_contention: float = 0.0) -> StepCoefficients:
-        return cls(*(float(v) for v in c), num_samples=num_samples, node_contention=float(node_contention))
+    def from_vector(cls, c: np.ndarray, num_samples: int, node_contention: float = 0.0,
+                    node_stream_contention: float = 0.0) -> StepCoefficients:
+        return cls(*(float(v) for v in c), num_samples=num_samples, node_contention=float(node_contention),
+                   node_stream_contention=float(node_stream_contention))
+
+    def slowdown(self, node_busy: float, node_decode_rate: float = 0.0) -> float:
+        """1 + k x node busy + g x node decode rate: the stretch the node puts on the work."""
+        return 1.0 + self.node_contention * node_busy + self.node_stream_contention * node_decode_rate
 
     def slowed(self, node_busy: float) -> StepCoefficients:
         """The model as it prices a step beside `node_busy` other busy engines: c0..c4
@@ -96,9 +115,10 @@ class StepCoefficients:
         """c0..c4 times `factor`, k and the sample count kept."""
         if factor == 1.0:
             return self
-        return StepCoefficients(self.fixed_s * factor, self.prefill_token_s * factor,
-                                self.prefill_attention_s * factor, self.decode_seq_s * factor,
-                                self.decode_context_s * factor, self.num_samples, self.node_contention)
+        return dataclasses.replace(self, fixed_s=self.fixed_s * factor, prefill_token_s=self.prefill_token_s * factor,
+                                   prefill_attention_s=self.prefill_attention_s * factor,
+                                   decode_seq_s=self.decode_seq_s * factor,
+                                   decode_context_s=self.decode_context_s * factor)
 
 
 # A cold replica with no records: a 10 ms step plus 0.1 ms per prompt token and per
@@ -123,12 +143,13 @@ def step_features(record: StepRecord) -> StepFeatures:
 def predict_step_s(c: StepCoefficients, features: StepFeatures) -> float:
     """The model's step time for `features` (never below `MIN_STEP_S`)."""
     base = float(features.row() @ c.vector())
-    return max(MIN_STEP_S, base * (1.0 + c.node_contention * features.node_busy))
+    return max(MIN_STEP_S, base * c.slowdown(features.node_busy, features.node_decode_rate))
 
 
-def predict_steps_s(c: StepCoefficients, a: np.ndarray, busy: np.ndarray) -> np.ndarray:
-    """`predict_step_s` over design rows `a` and their `node_busy`."""
-    return np.maximum(MIN_STEP_S, (a @ c.vector()) * (1.0 + c.node_contention * busy))
+def predict_steps_s(c: StepCoefficients, a: np.ndarray, busy: np.ndarray,
+                    rate: np.ndarray | None = None) -> np.ndarray:
+    """`predict_step_s` over design rows `a`, their `node_busy` and `node_decode_rate`."""
+    return np.maximum(MIN_STEP_S, (a @ c.vector()) * c.slowdown(busy, 0.0 if rate is None else rate))
 
 
 def prefill_work(start: int, end: int, chunk: int) -> tuple[int, int, int]:

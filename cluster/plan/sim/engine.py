@@ -9,7 +9,9 @@ computed; when a step's blocks run out, the running sequence that sorts last (ba
 first, then the latest arrival) is preempted and recomputed later, and nothing new is
 admitted that step. Each step is priced by the calibrated step model (the same features
 `LLMEngine._record_step` records), times 1 + k x the other engines of its node busy when
-it starts (`StepCoefficients.node_contention`, k), as engines sharing a machine slow each other.
+it starts (`StepCoefficients.node_contention`, k), as engines sharing a machine slow each other,
+and plus g x the node's decode rate (`node_stream_contention`, node_load.py): the serving
+path streaming the node's tokens takes the same cores.
 
 What makes it fast: a decoding sequence is not touched per step (decode_batch.py keeps
 the batch as counters), so a step costs O(1) plus the prompt chunks in it; an idle engine
@@ -28,6 +30,7 @@ from typing import Protocol
 from cluster.plan.calibration import EngineLimits
 from cluster.plan.sim.decode_batch import MAX_RUN_STEPS, DecodeBatch, DecodeRun
 from cluster.plan.sim.decode_batch import num_blocks as _blocks
+from cluster.plan.sim.node_load import NodeStreams
 from cluster.plan.sim.prefix_cache import SimPrefixCache
 from cluster.plan.sim.recent import RecentDecode
 from cluster.plan.sim.sequence import SimSeq
@@ -57,7 +60,10 @@ class SimEngine:
         self._c = (coefficients.fixed_s, coefficients.prefill_token_s, coefficients.prefill_attention_s,
                    coefficients.decode_seq_s, coefficients.decode_context_s)
         self._contention = coefficients.node_contention
+        self._stream_contention = coefficients.node_stream_contention
+        self._stretched = bool(self._contention or self._stream_contention)
         self.neighbours: list[SimEngine] = []  # the other engines of its node (the simulator sets them)
+        self.node = NodeStreams()  # its node's decode rate (the simulator shares one per node)
         self._schedule, self.listener = schedule, listener
         self.cache = SimPrefixCache(limits.num_kv_blocks, limits.enable_prefix_caching)
         self.free_blocks = limits.num_kv_blocks
@@ -169,8 +175,8 @@ class SimEngine:
             work += n * (seq.num_computed + n)
         context = self.decoding.context(k)
         dt = c0 + c1 * tokens + c2 * work + c3 * n_dec + c4 * context
-        if self._contention:
-            dt *= self._slowdown()
+        if self._stretched:
+            dt *= self._slowdown(now)
         self.busy = True
         self.busy_s += dt
         self._step_started = now
@@ -196,8 +202,8 @@ class SimEngine:
         self.free_blocks -= need
         c0, _, _, c3, c4 = self._c
         step_s, growth_s = c0 + c3 * n_dec + c4 * batch.context(k), c4 * n_dec
-        if self._contention:
-            slowdown = self._slowdown()
+        if self._stretched:
+            slowdown = self._slowdown(now)
             step_s, growth_s = step_s * slowdown, growth_s * slowdown
         self._run = DecodeRun(now, k, num_steps, step_s, growth_s, blocks)
         self._run_version += 1
@@ -205,9 +211,12 @@ class SimEngine:
         self._schedule(self._run.end_of(num_steps - 1), lambda t: self._end_run(version, t))
         return True
 
-    def _slowdown(self) -> float:
-        """1 + k x the other engines of the node busy now: what sharing the node adds to a step."""
-        return 1.0 + self._contention * sum(1 for other in self.neighbours if other.busy)
+    def _slowdown(self, now: float) -> float:
+        """1 + k x the other engines of the node busy now + g x its decode rate: what
+        sharing the node adds to a step."""
+        busy = sum(1 for other in self.neighbours if other.busy) if self._contention else 0
+        rate = self.node.rate(now) if self._stream_contention else 0.0
+        return 1.0 + self._contention * busy + self._stream_contention * rate
 
     def _cut_run(self, now: float) -> None:
         """Work arrived (or a node neighbour woke up): the run ends with the step in flight
@@ -234,6 +243,8 @@ class SimEngine:
             if self.trace is not None:
                 self.trace.append((0, n_dec))
         self.busy_s += run.end_of(run.num_steps - 1) - run.start
+        if self._stream_contention:
+            self.node.add(now, n_dec * run.num_steps)
         self.recent.add(run.end_of(run.num_steps - 1), run.end_of(run.num_steps - 1) - run.start, n_dec, run.num_steps)
         last = run.first + run.num_steps - 1
         for seq in list(self.decoding.finished_by(last)):
@@ -258,6 +269,8 @@ class SimEngine:
     def _end_step(self, now: float) -> None:
         k = self.step
         self.step_ends.append(now)
+        if self._stream_contention:
+            self.node.add(now, len(self.decoding))
         if not self._chunks and self.decoding:  # a decode-only step taken alone
             self.recent.add(now, now - self._step_started, len(self.decoding))
         if self._joined:

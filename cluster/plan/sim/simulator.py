@@ -23,6 +23,7 @@ from cluster.plan.sim.config import SimConfig
 from cluster.plan.sim.engine import SimEngine
 from cluster.plan.sim.events import EventQueue
 from cluster.plan.sim.network import Network
+from cluster.plan.sim.node_load import NodeStreams
 from cluster.plan.sim.result import SimRequest, SimResult, utilisation
 from cluster.plan.sim.router_model import SimRouter
 from cluster.plan.sim.sequence import SimSeq
@@ -57,12 +58,15 @@ class Simulation:
         self.num_done = 0
 
     def _wire_nodes(self) -> None:
-        """Each engine learns the other engines of its node (their busy steps slow its own)."""
+        """Each engine learns the other engines of its node (their busy steps slow its own)
+        and shares the node's decode rate with them."""
         by_node: dict[int, list[SimEngine]] = {}
         for rid, engine in self.engines.items():
             by_node.setdefault(self.nodes[rid], []).append(engine)
+        streams = {node: NodeStreams() for node in by_node}
         for rid, engine in self.engines.items():
             engine.neighbours = [other for other in by_node[self.nodes[rid]] if other is not engine]
+            engine.node = streams[self.nodes[rid]]
 
     # -- the run -------------------------------------------------------------------------------
 
