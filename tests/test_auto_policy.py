@@ -398,3 +398,29 @@ def test_streams_that_spent_their_slack_are_held_to_what_is_left():
     assert local_meets(0.012)
     assert not local_meets(0.0095)
     assert local_meets(math.inf)
+
+
+def test_of_routes_that_all_meet_the_one_that_leaves_the_most_requests_a_margin_wins():
+    """A live decision: a 1,496-token prompt (TTFT objective 5.8 s, TPOT 61 ms) beside six
+    streams that can afford 127 ms a token. Every route meets. A background prefill keeps
+    this request's TPOT 47% inside and leaves the streams 42%; remote leaves this request
+    40% and the streams 71%. The tightest margin alone (leximin) took the background
+    prefill, which then held the decode replica for 2.5 s; six streams' margin outweighs
+    a few points of one request's."""
+    from router.auto_policy import best, score
+    from router.predict import Candidate, Prediction
+
+    context = ctx(prompt_len=1496, slo=SLO(ttft_ms=5758, tpot_ms=61),
+                  decode=replica("d1", num_streams=6, stream_tpot_slo_s=0.1266))
+    routes = {"background": Candidate("background", "d1", "d1", Prediction(2.224, 0.0324, 0.0739), 74, 6),
+              "remote": Candidate("remote", "d1", "p1", Prediction(1.829, 0.0363, 0.0363), None, 6),
+              "local": Candidate("local", "d1", "d1", Prediction(1.771, 0.0324, 0.0821), None, 6)}
+    scored = {kind: score(context, c, c.prediction) for kind, c in routes.items()}
+    assert all(s.meets and s.loss == 0.0 for s in scored.values())
+    assert max(scored.values(), key=lambda s: s.slack).candidate.kind == "background"  # leximin's pick
+    assert best(list(scored.values())).candidate.kind == "remote"
+    # with no streams beside it, this request's own margins decide: the quicker local route
+    alone = ctx(prompt_len=1496, slo=SLO(ttft_ms=5758, tpot_ms=61))
+    lone = [score(alone, dataclasses.replace(c, num_streams=0), dataclasses.replace(c.prediction, streams_tpot_s=0.0))
+            for kind, c in routes.items() if kind != "background"]
+    assert best(lone).candidate.kind == "local"
