@@ -279,8 +279,8 @@ def test_placement_and_policy_import_no_web_or_ray_code():
 
 def test_a_prompt_waiting_past_its_predicted_ttft_prices_its_path_as_slow_before_it_finishes():
     """The first prompt runs locally, predicted ~70 ms. While it has not got its first
-    token half a second later, the local path on d1 is priced as that late and the next
-    prompt goes remote; once it answers, local is priced by the model again (and once it
+    token half a second later, the local path on d1 is priced as that late (the next
+    prompt's local TTFT times how late it is) and the next prompt goes remote; once it answers, local is priced by the model again (and once it
     is done, with no stream to protect, the next prompt prefills locally)."""
     from router.placement import PolicyInputs
 
@@ -291,13 +291,19 @@ def test_a_prompt_waiting_past_its_predicted_ttft_prices_its_path_as_slow_before
     def placed(now: float, token: int):
         return place(view, [token] * 600, 8, predictive, None, offload_to_prefill=False, inputs=PolicyInputs(now=now))
 
+    def local_ttft(placement) -> float:
+        return next(a.prediction.ttft_s for a in placement.decision.alternatives if a.candidate.kind == "local")
+
     first = placed(0.0, 1)
     assert (first.decision.route, first.placed_at) == ("local", 0.0)
     view.begin(first)
-    assert placed(0.0, 2).decision.route == "local" and view.overdue_of("d1", 0.0) == {}
+    on_time = placed(0.0, 2)
+    assert view.overdue_of("d1", 0.0) == {}
     late = view.overdue_of("d1", 0.5)
     assert late["local"] == pytest.approx(0.5 / (first.decision.prediction.ttft_s + 0.05))
-    assert placed(0.5, 2).decision.route == "disagg"
+    overdue = placed(0.5, 2)
+    assert local_ttft(overdue) == pytest.approx(local_ttft(on_time) * late["local"], rel=1e-6)
+    assert overdue.decision.route == "disagg"
     assert view.overdue_of("d1", 100.0) == {"local": 8.0}  # one request counts as at most 8x
     view.prefill_done(first)
     assert view.waiting == {} and view.overdue_of("d1", 0.5) == {}
