@@ -193,6 +193,29 @@ def test_foreground_requests_go_before_a_background_prefill(make_engine):
     assert finish_order(engine) == ["fg", "bg"]
 
 
+def test_a_steady_stream_of_long_foreground_prompts_does_not_starve_a_background_prefill(make_engine):
+    """Long foreground prompts keep arriving, each filling the step's budget: the
+    background prompt, running or still waiting, advances by its chunk every step anyway
+    and finishes while they keep coming."""
+    engine = make_engine(max_num_batched_tokens=64, max_num_seqs=8)
+    _run_streams(engine, n=1, max_tokens=400)
+    prompts = iter(random_prompts([300] * 40, seed=26))
+    for i in range(3):
+        engine.add_request(f"fg{i}", next(prompts), greedy(1, ignore_eos=True))
+    engine.add_request("bg", random_prompts([200], seed=27)[0], greedy(2, ignore_eos=True, yield_to_decode=True))
+    seq, steps, added = engine.requests["bg"], 0, 3
+    while "bg" in engine.requests:
+        before = seq.num_computed_tokens
+        engine.step()
+        steps += 1
+        assert seq.num_computed_tokens > before or seq.num_uncomputed_tokens <= 1, f"starved at step {steps}"
+        while sum(1 for r in engine.requests if r.startswith("fg")) < 3:  # the foreground load never lets up
+            engine.add_request(f"fg{added}", next(prompts), greedy(1, ignore_eos=True))
+            added += 1
+        assert steps < 200
+    engine.check_integrity()
+
+
 def test_a_background_prefill_changes_no_token(make_engine):
     """Greedy output is the same whether the prompt yields to streams or runs alone."""
     prompt = random_prompts([200], seed=25)[0]

@@ -76,6 +76,9 @@ TRACES = {
         [(0, 12, 20, None), (0, 12, 20, None), (1, 12, 20, None)], dict(LIMITS, num_kv_blocks=14)),
     "a background request is preempted before earlier and later foreground ones": (
         [(0, 10, 25, None), (0, 30, 25, 6), (2, 10, 25, None), (3, 10, 25, None)], dict(LIMITS, num_kv_blocks=24)),
+    "long foreground prompts keep coming: a background prefill still gets its chunk": (
+        [(0, 6, 40, None), (1, 60, 5, 4), (1, 70, 2, None), (2, 70, 2, None), (3, 70, 2, None), (5, 70, 2, None),
+         (7, 70, 2, None)], dict(LIMITS, max_num_seqs=8)),
     "many requests over a tight pool, preempting": (
         [(i // 2, 9 + 3 * (i % 4), 5 + i % 7, None) for i in range(14)], dict(LIMITS, num_kv_blocks=16)),
 }

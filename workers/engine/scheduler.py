@@ -11,7 +11,11 @@ A background prefill (`SamplingParams.yield_to_decode`) sorts last and, in a ste
 decodes, takes at most `yield_tokens` (which the engine sets from its step records so
 that the chunk costs about half a decode step, `step_cost`), or its own
 `prefill_chunk_tokens` when the router chose one: the streams beside it slow down by
-about 1.5x instead of stalling for a whole chunk, and it still advances every step.
+about 1.5x instead of stalling for a whole chunk, and it still advances every step. That
+chunk is reserved for the first background prefill before any foreground prompt's chunk
+(never out of the decode tokens), and a waiting one is admitted past foreground prompts
+that cannot be: without the reserve, a steady stream of long foreground prompts left it
+no budget, step after step, and its request never answered.
 
 A request of n sequences (n / best_of) is admitted only with n of `max_num_seqs` free: it
 forks at its first token, and its forks must not wait behind requests that came later.
@@ -69,11 +73,12 @@ class Scheduler:
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_batched_tokens
         self._admit_ready()
-        scheduled, preempted = self._schedule_running(budget)
+        reserve = self._background_reserve(budget)
+        scheduled, preempted = self._schedule_running(budget - reserve)
         budget -= sum(s.num_new_tokens for s in scheduled)
         if preempted:  # admitting now would only preempt someone again next step
             return scheduled
-        scheduled += self._admit_waiting(budget, _decoding(scheduled), background=False)
+        scheduled += self._admit_waiting(budget - reserve, _decoding(scheduled), background=False)
         budget = self.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
         # Background prefills get what the others leave, and never preempt anyone.
         scheduled += self._schedule_background(budget, _decoding(scheduled))
@@ -89,6 +94,19 @@ class Scheduler:
         if decoding and _is_background(seq):
             num_new = min(num_new, max(1, seq.params.prefill_chunk_tokens or self.yield_tokens))
         return num_new
+
+    def _background_reserve(self, budget: int) -> int:
+        """The first background prefill's chunk in a decoding step (running, else the first
+        waiting one with seats), kept from the foreground prompts; never the decode tokens."""
+        self.running.sort(key=lambda s: s.priority_key)
+        first = next((s for s in self.running if _is_background(s)), None)
+        if first is None:
+            first = next((s for s in sorted(self.waiting, key=lambda s: s.priority_key)
+                          if _is_background(s) and self._has_seats(s)), None)
+        if first is None:
+            return 0
+        num_decoding = sum(1 for s in self.running if not _is_background(s) and s.num_uncomputed_tokens == 1)
+        return max(0, min(self._chunk(first, budget, True), budget - num_decoding))
 
     def _schedule_running(self, budget: int) -> tuple[list[ScheduledSeq], bool]:
         """Every running sequence but the background prefills; may preempt."""
@@ -147,11 +165,8 @@ class Scheduler:
         """Waiting sequences in priority order: the foreground ones, or the background ones."""
         self.waiting.sort(key=lambda s: s.priority_key)
         scheduled: list[ScheduledSeq] = []
-        while self.waiting and budget > 0:
-            seq = self.waiting[0]
-            if _is_background(seq) != background:
-                break  # background ones sort last: none (or no more) of the kind asked for
-            if not self._has_seats(seq):
+        for seq in [s for s in self.waiting if _is_background(s) == background]:
+            if budget <= 0 or not self._has_seats(seq):
                 break
             is_fresh = not seq.block_ids  # imported KV arrives holding its blocks already
             # A prompt whose logprobs are wanted is computed whole (a cached block has KV
@@ -166,7 +181,7 @@ class Scheduler:
                 break
             if is_fresh:
                 self.block_manager.record_query(seq.num_tokens, seq.num_cached_tokens)
-            self.waiting.pop(0)
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             if is_fresh and seq.first_scheduled_time is None:  # not a recompute after preemption
                 seq.first_scheduled_time = time.monotonic()

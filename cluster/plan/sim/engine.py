@@ -4,7 +4,8 @@ It follows `workers/engine/scheduler.py` step by step: one token budget per step
 (`max_num_batched_tokens`), decode tokens first, then the running prompts' chunks in
 FCFS order, then waiting prompts admitted while there are seats (`max_num_seqs`) and
 budget, then background prefills (`yield_to_decode`) with what is left, at their chunk
-size in a step that decodes; KV in blocks of `block_size`, allocated as tokens are
+size in a step that decodes, the first one's chunk reserved before the foreground
+prompts' (a waiting one admitted past foreground prompts that cannot be); KV in blocks of `block_size`, allocated as tokens are
 computed; when a step's blocks run out, the running sequence that sorts last (background
 first, then the latest arrival) is preempted and recomputed later, and nothing new is
 admitted that step. Each step is priced by the calibrated step model (the same features
@@ -258,10 +259,11 @@ class SimEngine:
         self._chunks, self._allocated = chunks, False
         self._admit_ready(k)
         preempted = self._allocate_decodes(k)
-        preempted = self._run_prefills(k, chunks) or preempted
+        reserve = self._background_reserve()
+        preempted = self._run_prefills(k, chunks, reserve) or preempted
         if not preempted:
             decoding = bool(self.decoding)
-            self._admit_waiting(chunks, background=False, decoding=decoding)
+            self._admit_waiting(chunks, background=False, decoding=decoding, reserve=reserve)
             self._run_backgrounds(chunks, decoding)
             self._admit_waiting(chunks, background=True, decoding=decoding)
         return chunks
@@ -317,10 +319,21 @@ class SimEngine:
         self._allocated = True
         return preempted
 
-    def _run_prefills(self, k: int, chunks: list[tuple[SimSeq, int]]) -> bool:
+    def _background_reserve(self) -> int:
+        """The first background prefill's chunk in a decoding step (running, else the first
+        waiting one, with a seat), kept from the foreground prompts (`Scheduler._background_reserve`)."""
+        first = self.backgrounds[0] if self.backgrounds else None
+        if first is None and self._seats() > 0:
+            first = next((s for s in self.waiting if s.background), None)
+        if first is None:
+            return 0
+        left = self.budget - len(self.decoding)
+        return max(0, min(self._chunk(first, left, True), left))
+
+    def _run_prefills(self, k: int, chunks: list[tuple[SimSeq, int]], reserve: int = 0) -> bool:
         preempted = False
         for seq in list(self.prefilling):
-            budget = self.budget - len(self.decoding) - sum(n for _, n in chunks)
+            budget = self.budget - len(self.decoding) - sum(n for _, n in chunks) - reserve
             if budget <= 0:
                 break
             if seq not in self.prefilling:
@@ -370,12 +383,13 @@ class SimEngine:
             seq.owned_blocks += need
             chunks.append((seq, n))
 
-    def _admit_waiting(self, chunks: list[tuple[SimSeq, int]], background: bool, decoding: bool) -> None:
+    def _admit_waiting(self, chunks: list[tuple[SimSeq, int]], background: bool, decoding: bool,
+                       reserve: int = 0) -> None:
         bs = self.block_size
-        while self.waiting:
-            budget = self.budget - len(self.decoding) - sum(n for _, n in chunks)
-            seq = self.waiting[0]
-            if budget <= 0 or seq.background != background or self._seats() <= 0:
+        while True:
+            budget = self.budget - len(self.decoding) - sum(n for _, n in chunks) - reserve
+            seq = next((s for s in self.waiting if s.background == background), None)
+            if seq is None or budget <= 0 or self._seats() <= 0:
                 return
             hit = self.cache.match(seq.hashes, (seq.prompt_len - 1) // bs)
             seq.shared_blocks, seq.num_computed = hit, hit * bs
@@ -385,7 +399,7 @@ class SimEngine:
                 seq.shared_blocks = seq.num_computed = 0
                 return
             self.cache.record_query(seq.prompt_len, hit * bs)
-            self.waiting.pop(0)
+            self.waiting.remove(seq)
             self._wait_tokens -= seq.prompt_len
             self._wait_work -= prefill_work(0, seq.prompt_len, self.budget)[2]
             self.free_blocks -= need
