@@ -295,3 +295,41 @@ def test_records_without_cpu_time_are_fitted_on_wall_time_alone():
     assert fitted(steps).coefficients.vector() == pytest.approx(TRUE.vector(), rel=0.05)
     sleeper = [dataclasses.replace(s, cpu_time_s=0.001) for s in steps]  # a thread that waits on another
     assert fitted(sleeper).coefficients.vector() == pytest.approx(TRUE.vector(), rel=0.05)
+
+
+def _one_chunk_size(n: int, chunk: int = 74, prompt_len: int = 2016, seed: int = 21) -> list[StepRecord]:
+    """A long prompt prefilled in the background beside three streams, over and over:
+    every step the same chunk size, the fixed cost and the cost per token collinear."""
+    rng = random.Random(seed)
+    out = []
+    while len(out) < n:
+        for prior in range(0, prompt_len - chunk, chunk):
+            features = StepFeatures(chunk, chunk * (prior + chunk), 3, 1800)
+            t = float(features.row() @ TRUE.vector()) * rng.uniform(0.9, 1.1)
+            out.append(dataclasses.replace(step(t, chunk, 3, 1800, prior), cpu_time_s=t))
+    return out[:n]
+
+
+def _fresh_prompt_s(model: StepCostFit, prompt_len: int = 2016, chunk: int = 512) -> float:
+    return sum(model.predict(StepFeatures(min(chunk, prompt_len - s), min(chunk, prompt_len - s) * min(prompt_len, s + chunk),
+                                          0, 0)) for s in range(0, prompt_len, chunk))
+
+
+def test_the_warm_ups_records_pin_the_shape_a_one_chunk_window_cannot_tell():
+    truth = sum(float(StepFeatures(min(512, 2016 - s), min(512, 2016 - s) * min(2016, s + 512), 0, 0).row()
+                      @ TRUE.vector()) for s in range(0, 2016, 512))
+    warm = [dataclasses.replace(r, cpu_time_s=r.step_time_s) for r in synthetic_steps(120, seed=20)]
+    live = _one_chunk_size(512)
+    unanchored = fitted(warm + live)  # the warm-up's records pushed out of the window
+    anchored = StepCostFit()
+    anchored.seed(warm)
+    anchored.anchor()
+    assert anchored.num_anchors == 120
+    for record in live:
+        anchored.observe(record)
+    anchored.fit()
+    assert abs(_fresh_prompt_s(unanchored) / truth - 1) > 0.25  # the window alone misprices it
+    assert _fresh_prompt_s(anchored) == pytest.approx(truth, rel=0.1)
+    # and the live steps themselves are still predicted as well as the window alone does
+    for model in (anchored, unanchored):
+        assert model.median_relative_error(live[-50:]) < 0.1

@@ -11,7 +11,7 @@ import pytest
 
 from cluster.config import load_config
 from tests.engine_support import greedy, make_engine_fixture, random_prompts  # noqa: F401
-from workers.engine.cost_model import DEFAULT_COEFFICIENTS, MIN_FULL_FIT, StepCostFit
+from workers.engine.cost_model import DEFAULT_COEFFICIENTS, MAX_ANCHORS, MIN_FULL_FIT, StepCostFit
 from workers.engine.warmup import long_prompt_lens, warmup
 from workers.engine_worker import EngineWorker
 
@@ -42,6 +42,7 @@ def test_the_warm_up_seeds_the_fit_and_leaves_nothing_behind(make_engine):
     print(f"tiny warm-up: {time.perf_counter() - t0:.3f} s, {coefficients}")
     assert coefficients == engine.cost_fit.coefficients != DEFAULT_COEFFICIENTS
     assert coefficients.num_samples >= MIN_FULL_FIT  # a full fit, not c0 + one term
+    assert engine.cost_fit.num_anchors == min(coefficients.num_samples, MAX_ANCHORS)  # kept for later fits
     assert engine.stats()["step_model"] == coefficients.to_dict()
     assert _without_model(engine.stats()) == _without_model(before)  # counters, queue, blocks
     assert not engine.requests and not engine.step_records and not engine.block_manager.cached_blocks

@@ -53,6 +53,7 @@ MIN_STEP_S = 1e-6  # predictions never go below this
 CONTENTION_GRID = (0.0, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 1.0, 1.3, 1.7, 2.2, 3.0)
 MIN_CPU_SHARE = 0.5  # median CPU time / wall time of a window fitted in two stages
 NODE_RATE_WINDOW_S = 1.0  # the node decode rate counts the steps started this long before
+MAX_ANCHORS = 256  # warm-up records kept in every fit of the work's shape
 
 
 @dataclass(frozen=True)
@@ -174,7 +175,18 @@ def has_work(record: StepRecord) -> bool:
 
 
 class StepCostFit:
-    """Online NNLS fit of the step model over the last `window` records."""
+    """Online NNLS fit of the step model over the last `window` records.
+
+    The warm-up's records can be kept as anchors (`anchor`): they stay in the fit of the
+    work's shape on CPU time for good, beside the window. A window of live steps can be
+    degenerate: a long prompt prefilled in the background beside a few streams is hundreds
+    of steps of one chunk size, where the cost per prompt token and the fixed cost per
+    step cannot be told apart, and the fit put it all on the fixed cost, pricing a fresh
+    2,000-token prompt at a fraction of its time. The warm-up covers every kind of step,
+    and a step's CPU time does not move with the node's load, so the anchors pin the shape
+    where the window cannot, while the scale and the contention still come from the
+    window's wall time alone. (Where the fit runs on wall time, the anchors join it.)
+    """
 
     def __init__(self, window: int = WINDOW, refit_every: int = REFIT_EVERY) -> None:
         self._rows: deque[np.ndarray] = deque(maxlen=window)
@@ -184,6 +196,20 @@ class StepCostFit:
         self._refit_every = refit_every
         self._since_fit = 0
         self._coefficients = DEFAULT_COEFFICIENTS
+        self._anchors: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None  # rows, wall, busy, cpu
+
+    def anchor(self) -> None:
+        """Keep the window's records (the warm-up's) in every later fit (at most the
+        last `MAX_ANCHORS`)."""
+        if not self._times:
+            return
+        keep = slice(-MAX_ANCHORS, None)
+        self._anchors = (np.stack(self._rows)[keep], np.array(self._times)[keep], np.array(self._busy)[keep],
+                         np.array(self._cpu)[keep])
+
+    @property
+    def num_anchors(self) -> int:
+        return 0 if self._anchors is None else len(self._anchors[1])
 
     @property
     def coefficients(self) -> StepCoefficients:
@@ -219,7 +245,7 @@ class StepCostFit:
         if not self._times:
             return self._coefficients
         a, t, busy = np.stack(self._rows), np.array(self._times), np.array(self._busy)
-        c, kappa = fit_work_then_wall(a, t, np.array(self._cpu), busy)
+        c, kappa = fit_work_then_wall(a, t, np.array(self._cpu), busy, anchors=self._anchors)
         self._coefficients = StepCoefficients.from_vector(c, len(t), kappa)
         return self._coefficients
 
@@ -260,17 +286,27 @@ def fit_with_contention(a: np.ndarray, t: np.ndarray, busy: np.ndarray,
 def fit_work_then_wall(a: np.ndarray, wall: np.ndarray, cpu: np.ndarray, busy: np.ndarray,
                        fit: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
                        loss: Callable[[np.ndarray, np.ndarray], float] | None = None,
-                       scale: Callable[[np.ndarray, np.ndarray], float] | None = None) -> tuple[np.ndarray, float]:
+                       scale: Callable[[np.ndarray, np.ndarray], float] | None = None,
+                       anchors: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None,
+                       ) -> tuple[np.ndarray, float]:
     """(c, k) of the wall-time model. Where `fits_on_cpu_time(wall, cpu)`: the work's
     shape w = a @ c_work fitted on CPU time (`fit_with_contention`, its k dropped), then
     for each k of the grid the scale s = `scale(w * (1 + k busy), wall)` (default: the
     mean ratio), the pair with the least `loss`; c = s * c_work. Otherwise
-    `fit_with_contention` on wall time."""
+    `fit_with_contention` on wall time. `anchors` (rows, wall, busy, cpu: records kept
+    for good, `StepCostFit.anchor`) join the shape's fit, or the wall-time fit."""
     if not fits_on_cpu_time(wall, cpu):
+        if anchors is not None:
+            a, wall, busy = (np.concatenate([x, y]) for x, y in zip((a, wall, busy), anchors[:3], strict=True))
         return fit_with_contention(a, wall, busy, fit, loss)
     loss = loss or relative_loss
     scale = scale or mean_ratio
-    c_work, _ = fit_with_contention(a, cpu, busy, fit, loss)
+    if anchors is not None and fits_on_cpu_time(anchors[1], anchors[3]):
+        shape_a, shape_cpu, shape_busy = (np.concatenate([x, y]) for x, y in
+                                          zip((a, cpu, busy), (anchors[0], anchors[3], anchors[2]), strict=True))
+    else:
+        shape_a, shape_cpu, shape_busy = a, cpu, busy
+    c_work, _ = fit_with_contention(shape_a, shape_cpu, shape_busy, fit, loss)
     work = np.maximum(MIN_STEP_S, a @ c_work)
     best: tuple[float, float, float] | None = None
     for kappa in CONTENTION_GRID if (busy > 0).any() else (0.0,):

@@ -65,6 +65,7 @@ def warmup(engine: LLMEngine, budget_s: float = BUDGET_S, seed: int = 0) -> Step
             started = time.perf_counter()
             _run(engine, wave, seed + 1 + i)
             last_tokens, last_s = tokens, time.perf_counter() - started
+        engine.cost_fit.anchor()  # the shape stays pinned where live windows cannot tell it
         return engine.cost_fit.fit()
     except BaseException:
         _abort_all(engine)
