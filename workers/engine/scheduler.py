@@ -101,8 +101,8 @@ class Scheduler:
         self.running.sort(key=lambda s: s.priority_key)
         first = next((s for s in self.running if _is_background(s)), None)
         if first is None:
-            first = next((s for s in sorted(self.waiting, key=lambda s: s.priority_key)
-                          if _is_background(s) and self._has_seats(s)), None)
+            first = min((s for s in self.waiting if _is_background(s) and self._has_seats(s)),
+                        key=lambda s: s.priority_key, default=None)
         if first is None:
             return 0
         num_decoding = sum(1 for s in self.running if not _is_background(s) and s.num_uncomputed_tokens == 1)
