@@ -110,7 +110,7 @@ class StepCoefficients:
     def slowed(self, node_busy: float) -> StepCoefficients:
         """The model as it prices a step beside `node_busy` other busy engines: c0..c4
         scaled by 1 + k x node_busy (k kept, for what one more neighbour would add)."""
-        return self.scaled(1.0 + self.node_contention * max(0.0, node_busy))
+        return self.scaled(self.slowdown(max(0.0, node_busy)))
 
     def scaled(self, factor: float) -> StepCoefficients:
         """c0..c4 times `factor`, k and the sample count kept."""

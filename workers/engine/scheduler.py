@@ -80,7 +80,7 @@ class Scheduler:
             return scheduled
         scheduled += self._admit_waiting(budget - reserve, _decoding(scheduled), background=False)
         budget = self.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
-        # Background prefills get what the others leave, and never preempt anyone.
+        # Background prefills get what the others leave (the reserve at least), and never preempt anyone.
         scheduled += self._schedule_background(budget, _decoding(scheduled))
         budget = self.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
         scheduled += self._admit_waiting(budget, _decoding(scheduled), background=True)
@@ -98,15 +98,14 @@ class Scheduler:
     def _background_reserve(self, budget: int) -> int:
         """The first background prefill's chunk in a decoding step (running, else the first
         waiting one with seats), kept from the foreground prompts; never the decode tokens."""
-        self.running.sort(key=lambda s: s.priority_key)
-        first = next((s for s in self.running if _is_background(s)), None)
+        first = min((s for s in self.running if _is_background(s)), key=lambda s: s.priority_key, default=None)
         if first is None:
             first = min((s for s in self.waiting if _is_background(s) and self._has_seats(s)),
                         key=lambda s: s.priority_key, default=None)
         if first is None:
             return 0
         num_decoding = sum(1 for s in self.running if not _is_background(s) and s.num_uncomputed_tokens == 1)
-        return max(0, min(self._chunk(first, budget, True), budget - num_decoding))
+        return max(0, self._chunk(first, budget - num_decoding, True))
 
     def _schedule_running(self, budget: int) -> tuple[list[ScheduledSeq], bool]:
         """Every running sequence but the background prefills; may preempt."""

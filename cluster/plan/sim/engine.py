@@ -217,7 +217,7 @@ class SimEngine:
         sharing the node adds to a step."""
         busy = sum(1 for other in self.neighbours if other.busy) if self._contention else 0
         rate = self.node.rate(now) if self._stream_contention else 0.0
-        return 1.0 + self._contention * busy + self._stream_contention * rate
+        return self.coefficients.slowdown(busy, rate)
 
     def _cut_run(self, now: float) -> None:
         """Work arrived (or a node neighbour woke up): the run ends with the step in flight
@@ -327,8 +327,7 @@ class SimEngine:
             first = next((s for s in self.waiting if s.background), None)
         if first is None:
             return 0
-        left = self.budget - len(self.decoding)
-        return max(0, min(self._chunk(first, left, True), left))
+        return max(0, self._chunk(first, self.budget - len(self.decoding), True))
 
     def _run_prefills(self, k: int, chunks: list[tuple[SimSeq, int]], reserve: int = 0) -> bool:
         preempted = False
