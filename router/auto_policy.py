@@ -42,6 +42,7 @@ from router import predict
 from router.corrections import EMPTY, LearnedState
 from router.policy import Alternative, RouteContext, RouteDecision, RoutingPolicy
 from router.predict import Candidate, Prediction
+from router.queue_drain import drain
 
 EXPLORE_BUCKETS = 10_000
 REASON_BY_KIND = {"remote": "slo-disagg", "local": "slo-local", "background": "protect-streams",
@@ -63,12 +64,13 @@ def candidates(ctx: RouteContext) -> list[Candidate]:
     if ctx.decode is None:
         return []
     req, d = ctx.shape, ctx.decode
-    out = [predict.local(req, d, ctx.num_cached_tokens)]
-    slow = predict.background(req, d, ctx.num_cached_tokens, stream_slo_s(ctx))
+    d_queue = drain(d)  # priced once: every candidate looks at it
+    out = [predict.local(req, d, ctx.num_cached_tokens, d_queue)]
+    slow = predict.background(req, d, ctx.num_cached_tokens, stream_slo_s(ctx), d_queue)
     if slow is not None:
         out.append(slow)
     if ctx.num_healthy_prefill > 0:  # `auto` drops them when the decode replica has no room
-        out += [predict.remote(req, p, d, hit, ctx.num_cached_tokens)
+        out += [predict.remote(req, p, d, hit, ctx.num_cached_tokens, d_queue)
                 for p, hit in zip(ctx.prefills, ctx.prefill_cached_tokens, strict=True)]
     if ctx.whole is not None:
         out.append(predict.whole(req, ctx.whole, ctx.whole_cached_tokens))

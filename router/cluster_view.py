@@ -92,6 +92,8 @@ class ClusterView:
         # of `backlog`, this router's background prefills (foreground prompts go first)
         self.background_backlog: Counter[str] = Counter()
         self.background_backlog_work: Counter[str] = Counter()
+        # replica -> this router's background prefills there, in order, and their chunks (0: the engine's)
+        self.background_chunks: dict[str, dict[int, int]] = {}
         self._healthy: dict[tuple[str, int], tuple[dict, list[ReplicaInfo]]] = {}
         self.index = PrefixIndex(prefix_capacity_blocks)
         self.backlog_work: Counter[str] = Counter()  # their attention work (router/predict.py)
@@ -140,6 +142,8 @@ class ClusterView:
             queue_work=max(self.backlog_work.get(rid, 0), base.queue_work + since.sent_work - since.done_work),
             background_tokens=max(self.background_backlog.get(rid, 0), base.background_tokens),
             background_work=max(self.background_backlog_work.get(rid, 0), base.background_work),
+            background_chunk_tokens=base.background_chunk_tokens or next(
+                iter(self.background_chunks.get(rid, {}).values()), 0),
             num_streams=decoding + incoming, stream_context=int(context),
             num_requests=self.load(replica), stream_tpot_slo_s=allowance,
             queued_streams=queued[0], queued_context=queued[1],
@@ -176,8 +180,9 @@ class ClusterView:
 
     def node_busy(self, replica: ReplicaInfo) -> int:
         """The other replicas of `replica`'s node with work now (as this view counts it)."""
-        return sum(1 for r in self.nodes.get(replica.node_id, ()) if r.replica_id != replica.replica_id
-                   and (self.load(r) > 0 or self.backlog.get(r.replica_id, 0) > 0))
+        inflight, backlog, me = self.inflight, self.backlog, replica.replica_id  # `load` inlined: per candidate
+        return sum(1 for r in self.nodes.get(replica.node_id, ()) if r.replica_id != me
+                   and (r.load > 0 or inflight.get(r.replica_id, 0) > 0 or backlog.get(r.replica_id, 0) > 0))
 
     def incoming_soon(self, replica_id: str, now: float | None = None) -> tuple[int, int]:
         """(sequences, their context tokens) prefilling elsewhere that will decode on
@@ -268,6 +273,9 @@ class ClusterView:
             if placement.decision.yield_prefill:
                 self.background_backlog[placement.prefill_on] += placement.prefill_tokens
                 self.background_backlog_work[placement.prefill_on] += placement.prefill_work
+                candidate = placement.decision.candidate
+                self.background_chunks.setdefault(placement.prefill_on, {})[id(placement)] = (
+                    candidate.chunk_tokens or 0) if candidate is not None else 0
         if placement.target_replica:
             self.awaiting_first[placement.target_replica] += placement.num_sequences
             if _prefills_elsewhere(placement):
@@ -319,6 +327,10 @@ class ClusterView:
             if placement.decision.yield_prefill:
                 _decrement(self.background_backlog, placement.prefill_on, placement.prefill_tokens)
                 _decrement(self.background_backlog_work, placement.prefill_on, placement.prefill_work)
+                chunks = self.background_chunks.get(placement.prefill_on, {})
+                chunks.pop(id(placement), None)
+                if not chunks:
+                    self.background_chunks.pop(placement.prefill_on, None)
             self._since(placement.prefill_on).done(placement.prefill_tokens, placement.prefill_work)
         if placement.target_replica:
             _decrement(self.awaiting_first, placement.target_replica, placement.num_sequences)

@@ -6,8 +6,10 @@ A replica's step takes (workers/engine/cost_model.py)
     c0 + c1 * prompt tokens + c2 * prefill attention work + c3 * decode seqs + c4 * decode context
 
 and its scheduler fills each step's token budget with its streams' decode tokens first,
-then prompt chunks in arrival order (a background prefill last, at its own chunk size).
-From that and the replica's queue (`ReplicaLoad`) follow, per candidate:
+then prompt chunks in arrival order, a chunk kept every step for the first background
+prefill: the foreground and background prompts drain side by side
+(`router/queue_drain.py`). From that and the replica's queue (`ReplicaLoad`) follow, per
+candidate:
 
 - `remote`: the prompt prefills on a prefill replica behind its queue, the KV's exposed
   transfer tail follows. The decode replica takes part at two step boundaries (it
@@ -18,9 +20,10 @@ From that and the replica's queue (`ReplicaLoad`) follow, per candidate:
   decoding the streams there (which wait for those steps), and its own chunks also
   decoding the prompts queued ahead of it there, which will be streams by then.
 - `background`: as `local`, but in a step that decodes streams the prompt takes only a
-  chunk sized so the step stays inside the streams' TPOT objective (prefill deflection);
-  priced as if streams stay beside it to the end (new ones keep arriving where streams
-  decode).
+  chunk sized so the step stays inside the streams' TPOT objective (prefill deflection),
+  every step, beside the foreground prompts, once the background prefills ahead of it
+  are done; priced as if streams stay beside it to the end (new ones keep arriving where
+  streams decode).
 - `whole`: the request runs, prefill and decode, on an idle prefill replica.
 
 A stream's TPOT is its mean gap over the tokens it has left, so the prediction for the
@@ -40,13 +43,12 @@ Everything here is pure arithmetic over plain data: no clock, no I/O.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Literal
 
+from router.queue_drain import Drain, Own, drain, own_prompt
 from router.replica_load import ReplicaLoad
-from workers.engine.cost_model import StepCoefficients, prefill_work
+from workers.engine.cost_model import StepCoefficients
 
 Kind = Literal["remote", "local", "background", "whole"]
 STREAM_TPOT_MARGIN = 0.9  # a background chunk aims this far inside the streams' objective
@@ -107,14 +109,6 @@ def added_contention(r: ReplicaLoad, extra_busy: float) -> float:
     return (1.0 + kappa * (r.node_busy + extra_busy)) / (1.0 + kappa * r.node_busy)
 
 
-def contended(r: ReplicaLoad, extra_busy: float) -> ReplicaLoad:
-    """`r` with `extra_busy` more replicas of its node busy than its load counts now."""
-    factor = added_contention(r, extra_busy)
-    if factor == 1.0:
-        return r
-    return dataclasses.replace(r, coefficients=r.coefficients.scaled(factor), node_busy=r.node_busy + extra_busy)
-
-
 def joins_node(p: ReplicaLoad, d: ReplicaLoad) -> float:
     """1 when a prompt sent to `p` makes it a newly busy neighbour of `d`, else 0."""
     return 1.0 if p.shares_node_with(d) and not p.busy else 0.0
@@ -145,42 +139,19 @@ def expected_gap_s(r: ReplicaLoad, extra_seqs: float = 0.0, extra_context: float
     return NOW_WEIGHT * now + (1.0 - NOW_WEIGHT) * recent
 
 
-def current_step_s(r: ReplicaLoad) -> float:
-    """The step the replica runs now: its queue's mixed steps, else its streams' decode
-    steps, else nothing (an idle engine starts a step as soon as work arrives)."""
+def current_step_s(r: ReplicaLoad, queue: Drain | None = None) -> float:
+    """The step the replica runs now: its queue's mixed steps (`queue`: `drain(r)` when
+    already known), else its streams' decode steps, else nothing (an idle engine starts
+    a step as soon as work arrives)."""
     if r.queue_tokens > 0:
-        return _prefill(r, 0, 0).step_s
+        return (queue or drain(r)).step_s
     return decode_step_s(r) if r.num_streams > 0 else 0.0
 
 
-@dataclass(frozen=True)
-class _Prefill:
-    seconds: float  # from now to the prompt's last chunk done
-    steps: int  # steps that computed prompt tokens (the queue's and its own)
-    step_s: float  # their mean time
-    own_steps: int = 0  # of `steps`, those that computed its own chunks
-    own_step_s: float = 0.0  # their mean time
-
-
-def _prefill(r: ReplicaLoad, start: int, end: int, foreground: bool = False) -> _Prefill:
-    """The queue, then [start, end), in chunks of what the streams leave of the budget; a
-    `foreground` prompt goes before the background prefills queued there. Its own chunks
-    also decode the prompts queued ahead of it here (`ReplicaLoad.queued_streams`)."""
-    queue_tokens, queue_work = r.queue_tokens, r.queue_work
-    if foreground:
-        queue_tokens = max(0, queue_tokens - r.background_tokens)
-        queue_work = max(0, queue_work - r.background_work)
-    budget = max(1, r.chunk_tokens - r.num_streams)
-    own_chunks, own_tokens, own_work = prefill_work(start, end, max(1, budget - r.queued_streams))
-    queue_steps = math.ceil(queue_tokens / budget)
-    c = r.coefficients
-    per_step = c.fixed_s + c.decode_seq_s * r.num_streams + c.decode_context_s * r.stream_context
-    queued_step = c.decode_seq_s * r.queued_streams + c.decode_context_s * r.queued_context
-    queue_s = queue_steps * per_step + c.prefill_token_s * queue_tokens + c.prefill_attention_s * queue_work
-    own_s = own_chunks * (per_step + queued_step) + c.prefill_token_s * own_tokens + c.prefill_attention_s * own_work
-    steps = queue_steps + own_chunks
-    return _Prefill(queue_s + own_s, steps, (queue_s + own_s) / steps if steps else 0.0,
-                    own_chunks, own_s / own_chunks if own_chunks else 0.0)
+def foreground(r: ReplicaLoad, start: int, end: int) -> Own:
+    """Prompt positions [start, end) in `r`'s foreground lane, at the chunks its streams
+    and the prompts queued ahead leave of the budget."""
+    return own_prompt(start, end, max(1, r.chunk_tokens - r.num_streams - r.queued_streams))
 
 
 def _mean_gap(gaps: float, slow_steps: float, slow_step_s: float, after_step_s: float) -> float:
@@ -211,22 +182,22 @@ def _own_tpot(req: RequestShape, d: ReplicaLoad, queue_steps_left: float, busy_s
     return _mean_gap(max(req.max_tokens - 1, 1), queue_steps_left, max(busy_step_s, after), after)
 
 
-def remote(req: RequestShape, p: ReplicaLoad, d: ReplicaLoad, prefill_cached: int, decode_cached: int) -> Candidate:
-    """Prefill on `p`, decode on `d`."""
+def remote(req: RequestShape, p: ReplicaLoad, d: ReplicaLoad, prefill_cached: int, decode_cached: int,
+           d_queue: Drain | None = None) -> Candidate:
+    """Prefill on `p`, decode on `d` (`d_queue`: `drain(d)` when already known)."""
     joins = joins_node(p, d)
-    during_x = added_contention(d, joins)
-    d_during = contended(d, joins)  # while `p` prefills beside it
-    prefill = _prefill(p, _start(req, prefill_cached), req.prompt_len, foreground=True)
+    during_x = added_contention(d, joins)  # while `p` prefills beside it
+    d_queue = d_queue or drain(d)
+    prefill = drain(p, foreground(p, _start(req, prefill_cached), req.prompt_len))
     num_bytes = max(0, req.prompt_len - _start(req, decode_cached)) * d.kv_bytes_per_token
     link = p.transfer_to(d.address)
     tail = link.fixed_s + num_bytes / link.bytes_per_s
     after = decode_step_s(d, req.num_sequences * req.decode_cost, req.num_sequences * req.prompt_len)
     # half a step to reserve, half to commit, one to report the first token
-    ttft = prefill.seconds + tail + 2.0 * max(current_step_s(d_during), 0.5 * after)
-    d_queue = _prefill(d, 0, 0)
-    d_steps_left = d_queue.steps - ttft / d_queue.step_s if d_queue.steps and d_queue.step_s > 0 else 0.0
+    ttft = prefill.seconds + tail + 2.0 * max(current_step_s(d, d_queue) * during_x, 0.5 * after)
+    d_steps_left = d_queue.busy_steps - ttft / d_queue.step_s if d_queue.busy_steps and d_queue.step_s > 0 else 0.0
     tpot = _own_tpot(req, d, d_steps_left, d_queue.step_s)
-    busy_steps, busy_s = float(d_queue.steps), d_queue.steps * d_queue.step_s
+    busy_steps, busy_s = float(d_queue.busy_steps), d_queue.busy_s
     if during_x > 1.0 and d.num_streams:  # the prefill slows the streams of its node's decode replica
         gap = expected_gap_s(d) * during_x
         slowed = prefill.seconds / gap if gap > 0 else 0.0
@@ -237,16 +208,24 @@ def remote(req: RequestShape, p: ReplicaLoad, d: ReplicaLoad, prefill_cached: in
                      overdue_x=p.overdue.get("disagg", 1.0))
 
 
-def local(req: RequestShape, d: ReplicaLoad, cached: int) -> Candidate:
+def local(req: RequestShape, d: ReplicaLoad, cached: int, d_queue: Drain | None = None) -> Candidate:
     """Prefill on `d` in the foreground, behind its queue (from the next step boundary),
     then decode there."""
-    prefill = _prefill(d, _start(req, cached), req.prompt_len, foreground=True)
-    tpot = _own_tpot(req, d, 0, 0.0)
+    prefill = drain(d, foreground(d, _start(req, cached), req.prompt_len))
+    return _on_decode_replica("local", req, d, prefill, d_queue)
+
+
+def _on_decode_replica(kind: Kind, req: RequestShape, d: ReplicaLoad, prefill: Drain, d_queue: Drain | None,
+                       chunk: int | None = None) -> Candidate:
+    """A prompt prefilled on `d` (`prefill`, its drain there) and decoded there: its own
+    gaps beside the prompt chunks still running after its first token, and the streams'
+    beside every prompt chunk from now on (the prompts queued ahead decode beside its own)."""
+    tpot = _own_tpot(req, d, prefill.after_steps, prefill.after_step_s)
     after = _gap_with(req, d)
-    streams = max(_streams_tpot(d, prefill.steps, prefill.step_s, after),
+    streams = max(_streams_tpot(d, prefill.busy_steps, prefill.step_s, after),
                   _queued_tpot(d, prefill.own_steps, prefill.own_step_s, after))
-    ttft = prefill.seconds + 0.5 * current_step_s(d)
-    return Candidate("local", d.replica_id, d.replica_id, Prediction(ttft, tpot, streams),
+    ttft = prefill.seconds + 0.5 * current_step_s(d, d_queue)
+    return Candidate(kind, d.replica_id, d.replica_id, Prediction(ttft, tpot, streams), chunk,
                      num_streams=d.num_streams + d.queued_streams, overdue_x=d.overdue.get("local", 1.0))
 
 
@@ -263,36 +242,24 @@ def background_chunk(req: RequestShape, d: ReplicaLoad, stream_tpot_slo_s: float
     return int(max(1, min(budget, room / per_token)))
 
 
-def background(req: RequestShape, d: ReplicaLoad, cached: int, stream_tpot_slo_s: float) -> Candidate | None:
-    """Prefill on `d` yielding to its streams; None when it has none (then it is `local`)."""
+def background(req: RequestShape, d: ReplicaLoad, cached: int, stream_tpot_slo_s: float,
+               d_queue: Drain | None = None) -> Candidate | None:
+    """Prefill on `d` yielding to its streams; None when it has none (then it is `local`).
+    Its chunk runs every step, beside the foreground prompts (`router/queue_drain.py`),
+    once the background prefills queued ahead of it are done; it is priced as if streams
+    stay beside it to the end (on a replica that decodes, new ones keep arriving)."""
     if d.num_streams == 0:
         return None
     chunk = background_chunk(req, d, stream_tpot_slo_s)
-    queue = _prefill(d, 0, 0)  # the foreground prompts go first
     start = _start(req, cached)
-    # Beside streams to the end: the streams there now may finish sooner, but on a replica
-    # that decodes, new ones keep arriving (and their prompts go first), so a background
-    # prefill rarely gets a step to itself; a model that assumed it would ran 4-6x short.
-    steps_beside = math.ceil((req.prompt_len - start) / chunk)
-    _, tokens, work = prefill_work(start, req.prompt_len, chunk)
-    c = d.coefficients
-    beside_s = (steps_beside * decode_step_s(d) + c.prefill_token_s * tokens + c.prefill_attention_s * work)
-    ttft = queue.seconds + beside_s + 0.5 * current_step_s(d)
-    tpot = _own_tpot(req, d, 0, 0.0)
-    after = _gap_with(req, d)
-    step_beside = beside_s / steps_beside if steps_beside else after
-    busy_s = queue.steps * queue.step_s + steps_beside * step_beside
-    busy_steps = queue.steps + steps_beside
-    streams = max(_streams_tpot(d, busy_steps, busy_s / busy_steps if busy_steps else after, after),
-                  _queued_tpot(d, steps_beside, step_beside, after))
-    return Candidate("background", d.replica_id, d.replica_id, Prediction(ttft, tpot, streams), chunk,
-                     num_streams=d.num_streams + d.queued_streams, overdue_x=d.overdue.get("local", 1.0))
+    prefill = drain(d, own_prompt(start, req.prompt_len, chunk, background_chunk=chunk))
+    return _on_decode_replica("background", req, d, prefill, d_queue, chunk)
 
 
 def whole(req: RequestShape, p: ReplicaLoad, cached: int) -> Candidate:
     """Prefill and decode on the prefill replica `p` (which has no streams of its own)."""
-    prefill = _prefill(p, _start(req, cached), req.prompt_len, foreground=True)
-    tpot = _own_tpot(req, p, 0, 0.0)
+    prefill = drain(p, foreground(p, _start(req, cached), req.prompt_len))
+    tpot = _own_tpot(req, p, prefill.after_steps, prefill.after_step_s)
     ttft = prefill.seconds + 0.5 * current_step_s(p)
     return Candidate("whole", p.replica_id, p.replica_id, Prediction(ttft, tpot, 0.0),
                      overdue_x=p.overdue.get("local", 1.0))

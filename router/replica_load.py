@@ -29,6 +29,7 @@ class ReplicaLoad:
     # of the queue, background prefills: a foreground prompt goes before them
     background_tokens: int = 0
     background_work: int = 0
+    background_chunk_tokens: int = 0  # the first one's chunk per decoding step (0: unknown)
     num_streams: int = 0  # sequences past their prompt, decoding
     stream_context: int = 0  # their context tokens, in total
     stream_tokens_left: float = 0.0  # tokens each stream still has to generate, on average
@@ -85,6 +86,7 @@ def from_stats(replica_id: str, role: str, stats: dict, address: str | None = No
         queue_work=int(stats.get("prompt_attention_waiting", 0)),
         background_tokens=int(stats.get("background_tokens_waiting", 0)),
         background_work=int(stats.get("background_attention_waiting", 0)),
+        background_chunk_tokens=int(stats.get("background_chunk_tokens", 0) or 0),
         num_streams=streams, stream_context=int(stats.get("decode_context_tokens", 0)),
         stream_tokens_left=left,
         num_requests=int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0)),

@@ -16,6 +16,7 @@ from cluster.config import SLO, WorkloadProfile
 from router import predict
 from router.auto_policy import candidates, in_explore_bucket
 from router.corrections import EMPTY, Corrections, Outcome
+from router.queue_drain import drain
 from router.policy import RequestWork, RouteContext
 from router.replica_load import ReplicaLoad
 from router.routing import decide
@@ -97,7 +98,7 @@ def test_every_candidate_is_priced_and_ordered_as_expected():
     local, background = by_kind["local"].prediction, by_kind["background"].prediction
     assert background.ttft_s > local.ttft_s  # it yields to the streams...
     assert background.streams_tpot_s < local.streams_tpot_s  # ...so they keep their pace
-    assert by_kind["remote"].prediction.ttft_s > predict._prefill(replica("p1", "prefill"), 0, 1000).seconds
+    assert by_kind["remote"].prediction.ttft_s > drain(replica("p1", "prefill"), predict.foreground(replica("p1", "prefill"), 0, 1000)).seconds
     assert by_kind["whole"].prediction.streams_tpot_s == 0.0
 
 
@@ -348,11 +349,10 @@ def test_a_prefill_replica_on_the_streams_own_node_slows_them_as_a_local_prefill
 def test_one_more_busy_neighbour_slows_a_replica_by_its_share():
     shared = dataclasses.replace(COEFFS, node_contention=0.5)
     quiet = replica("d1", coefficients=shared, node_id="n1")
-    assert predict.contended(quiet, 0.0) is quiet
-    assert predict.contended(quiet, 1.0).coefficients.vector() == pytest.approx(1.5 * shared.vector())
+    assert predict.added_contention(quiet, 0.0) == 1.0
+    assert predict.added_contention(quiet, 1.0) == pytest.approx(1.5)
     crowded = replica("d1", coefficients=shared.slowed(1.0), node_id="n1", node_busy=1.0)  # as ClusterView builds it
-    assert predict.contended(crowded, 1.0).coefficients.vector() == pytest.approx(2.0 * shared.vector())
-    assert predict.contended(crowded, 1.0).node_busy == 2.0
+    assert predict.added_contention(crowded, 1.0) == pytest.approx(2.0 / 1.5)  # 1 + 0.5 x 2 over 1 + 0.5 x 1
 
 
 def test_a_decode_replica_whose_steps_cost_nothing_still_prices_a_remote_prefill():

@@ -98,14 +98,20 @@ class Scheduler:
     def _background_reserve(self, budget: int) -> int:
         """The first background prefill's chunk in a decoding step (running, else the first
         waiting one with seats), kept from the foreground prompts; never the decode tokens."""
-        first = min((s for s in self.running if _is_background(s)), key=lambda s: s.priority_key, default=None)
-        if first is None:
-            first = min((s for s in self.waiting if _is_background(s) and self._has_seats(s)),
-                        key=lambda s: s.priority_key, default=None)
+        first = self._first_background()
         if first is None:
             return 0
         num_decoding = sum(1 for s in self.running if not _is_background(s) and s.num_uncomputed_tokens == 1)
         return max(0, self._chunk(first, budget - num_decoding, True))
+
+    def _first_background(self) -> Sequence | None:
+        """The background prefill the reserve is for: the first running one, else the
+        first waiting one with seats."""
+        first = min((s for s in self.running if _is_background(s)), key=lambda s: s.priority_key, default=None)
+        if first is None:
+            first = min((s for s in self.waiting if _is_background(s) and self._has_seats(s)),
+                        key=lambda s: s.priority_key, default=None)
+        return first
 
     def _schedule_running(self, budget: int) -> tuple[list[ScheduledSeq], bool]:
         """Every running sequence but the background prefills; may preempt."""
@@ -219,8 +225,8 @@ class Scheduler:
         """The work queued here, for the router to predict this replica's steps with:
         what the prefilling sequences (running or waiting) must still compute before they
         decode, in tokens and in attention work at full chunks (and how much of it is
-        background prefills, which foreground prompts go before), and what the decoding
-        ones attend to and may still generate."""
+        background prefills, which drain beside the foreground prompts at their own chunk
+        per step), and what the decoding ones attend to and may still generate."""
         seqs = self.running + self.waiting
         prefilling = [s for s in seqs if not s.is_decoding]
         decoding = [s for s in seqs if s.is_decoding]
@@ -228,14 +234,22 @@ class Scheduler:
         return {
             "prompt_tokens_waiting": sum(s.num_uncomputed_tokens for s in prefilling),
             "prompt_attention_waiting": sum(self._waiting_work(s) for s in prefilling),
-            # of which background prefills, which every foreground prompt goes before
+            # of which background prefills
             "background_tokens_waiting": sum(s.num_uncomputed_tokens for s in background),
             "background_attention_waiting": sum(self._waiting_work(s) for s in background),
+            # the chunk the first of them takes in a step that decodes (0: none waits)
+            "background_chunk_tokens": self._background_chunk(),
             "num_decoding": len(decoding),
             "decode_context_tokens": sum(s.num_tokens for s in decoding),
             "decode_tokens_remaining": sum(max(0, s.params.max_tokens - len(s.output_token_ids))
                                            for s in decoding),
         }
+
+    def _background_chunk(self) -> int:
+        first = self._first_background() or next((s for s in self.waiting if _is_background(s)), None)
+        if first is None:
+            return 0
+        return max(1, min(self.max_num_batched_tokens, first.params.prefill_chunk_tokens or self.yield_tokens))
 
     def _waiting_work(self, seq: Sequence) -> int:
         return prefill_work(seq.num_computed_tokens, seq.num_tokens, self.max_num_batched_tokens)[2]

@@ -329,6 +329,13 @@ class SimEngine:
             return 0
         return max(0, self._chunk(first, self.budget - len(self.decoding), True))
 
+    def _background_chunk(self) -> int:
+        """The first background prefill's chunk in a decoding step (0: none waits)."""
+        first = self.backgrounds[0] if self.backgrounds else next((s for s in self.waiting if s.background), None)
+        if first is None:
+            return 0
+        return max(1, min(self.budget, first.chunk_tokens or self._yield_tokens()))
+
     def _run_prefills(self, k: int, chunks: list[tuple[SimSeq, int]], reserve: int = 0) -> bool:
         preempted = False
         for seq in list(self.prefilling):
@@ -481,6 +488,7 @@ class SimEngine:
             "background_attention_waiting": sum(
                 prefill_work(s.num_computed, s.prompt_len, self.budget)[2]
                 for s in (*self.backgrounds, *(w for w in self.waiting if w.background))),
+            "background_chunk_tokens": self._background_chunk(),
             "num_decoding": n_dec + len(self.ready),
             "decode_context_tokens": self.decoding.context(k) + ready_context,
             "decode_tokens_remaining": self.decoding.tokens_remaining(k) + sum(s.output_len for s in self.ready),
