@@ -16,8 +16,8 @@ from cluster.config import SLO, WorkloadProfile
 from router import predict
 from router.auto_policy import candidates, in_explore_bucket
 from router.corrections import EMPTY, Corrections, Outcome
-from router.queue_drain import drain
 from router.policy import RequestWork, RouteContext
+from router.queue_drain import drain
 from router.replica_load import ReplicaLoad
 from router.routing import decide
 from workers.engine.cost_model import StepCoefficients
