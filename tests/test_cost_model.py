@@ -333,3 +333,15 @@ def test_the_warm_ups_records_pin_the_shape_a_one_chunk_window_cannot_tell():
     # and the live steps themselves are still predicted as well as the window alone does
     for model in (anchored, unanchored):
         assert model.median_relative_error(live[-50:]) < 0.1
+
+
+def test_scaling_a_model_scales_c0_to_c4_and_keeps_every_other_field():
+    import dataclasses
+
+    model = StepCoefficients(0.01, 2e-4, 3e-9, 4e-4, 5e-7, num_samples=7, node_contention=0.3,
+                             node_stream_contention=0.002)
+    scaled = model.scaled(1.5)
+    assert scaled.vector() == pytest.approx(1.5 * model.vector())
+    others = [f.name for f in dataclasses.fields(StepCoefficients)
+              if f.name not in ("fixed_s", "prefill_token_s", "prefill_attention_s", "decode_seq_s", "decode_context_s")]
+    assert others and all(getattr(scaled, name) == getattr(model, name) for name in others)

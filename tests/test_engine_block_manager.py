@@ -9,6 +9,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from workers.engine.block_manager import BlockManager
 from workers.engine.prefix_hash import block_hashes, hash_block
@@ -112,3 +114,17 @@ def test_free_and_double_free_and_integrity():
     manager.free(a)
     with pytest.raises(AssertionError, match="double free"):
         manager.release(ids)
+
+
+@settings(max_examples=200, deadline=None)
+@given(token_ids=st.lists(st.integers(0, 2**40), max_size=200), block_size=st.integers(1, 32))
+def test_prompt_hashes_are_the_chain_of_block_hashes(token_ids, block_size):
+    """`block_hashes` packs the prompt once; its hashes are `hash_block`'s, block by block."""
+    from workers.engine.prefix_hash import ROOT_HASH
+
+    chained, parent = [], ROOT_HASH
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start:start + block_size])
+        chained.append(parent)
+    assert block_hashes(token_ids, block_size) == chained
+    assert block_hashes(tuple(token_ids), block_size) == chained

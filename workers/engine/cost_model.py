@@ -37,7 +37,6 @@ node's other load puts on that work, on average, as the step model must predict 
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
@@ -116,10 +115,11 @@ class StepCoefficients:
         """c0..c4 times `factor`, k and the sample count kept."""
         if factor == 1.0:
             return self
-        return dataclasses.replace(self, fixed_s=self.fixed_s * factor, prefill_token_s=self.prefill_token_s * factor,
-                                   prefill_attention_s=self.prefill_attention_s * factor,
-                                   decode_seq_s=self.decode_seq_s * factor,
-                                   decode_context_s=self.decode_context_s * factor)
+        # built directly, not by `dataclasses.replace`: the router scales a model per replica per request
+        return StepCoefficients(self.fixed_s * factor, self.prefill_token_s * factor,
+                                self.prefill_attention_s * factor, self.decode_seq_s * factor,
+                                self.decode_context_s * factor, self.num_samples, self.node_contention,
+                                self.node_stream_contention)
 
 
 # A cold replica with no records: a 10 ms step plus 0.1 ms per prompt token and per
