@@ -13,10 +13,7 @@ waiting on the same route and replica is (`ReplicaLoad.overdue`):
 
 A candidate meets the SLO when its TTFT and this request's TPOT meet the workload's and
 the TPOT the streams beside it will see meets theirs. The candidate that loses the least
-expected goodput wins (this request, plus each stream beside it, plus the prompts
-expected to arrive behind its foreground chunks and be late for them,
-`Candidate.late_arrivals`: a long prompt in the decode replica's foreground delays
-every short prompt routed there after it); of equal ones, the one
+expected goodput wins (this request, plus each stream beside it); of equal ones, the one
 least at risk should the predictions be off: the sum, over every request it touches (this
 request's TTFT and TPOT, and each stream beside it), of exp(-slack / SLACK_SCALE), a
 slack fraction being 1 - predicted / objective. A margin counts once per request it
@@ -119,9 +116,8 @@ def score(ctx: RouteContext, candidate: Candidate, prediction: Prediction, state
     weights = [1.0] * (len(ratios) - 1 if candidate.num_streams else len(ratios)) + (
         [float(candidate.num_streams)] if candidate.num_streams else [])
     risk = sum(w * _at_risk(1.0 - r) for w, r in zip(weights, ratios, strict=True))
-    late = candidate.late_arrivals  # the prompts it makes late behind its foreground chunks
-    return Scored(candidate, prediction, meets, tuple(sorted(1.0 - r for r in ratios)),
-                  own_loss + streams_loss + late, risk + late)
+    return Scored(candidate, prediction, meets, tuple(sorted(1.0 - r for r in ratios)), own_loss + streams_loss,
+                  risk)
 
 
 def _at_risk(slack: float) -> float:

@@ -33,7 +33,6 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from router.arrivals import RecentArrivals
 from router.prefix_index import PrefixIndex
 from router.replica_load import DEFAULT_CHUNK_TOKENS, ReplicaLoad, from_stats
 
@@ -105,7 +104,6 @@ class ClusterView:
         # candidate per request (a prefill replica's transfer model has a fit per decode peer)
         self._heartbeat_loads: dict[str, tuple[ReplicaInfo, ReplicaLoad]] = {}
         self.nodes: dict[str, list[ReplicaInfo]] = {}  # node id -> its healthy replicas (known ids only)
-        self.arrivals = RecentArrivals()  # per replica: the prompts placed in its foreground lane lately
 
     def update(self, replicas: list[ReplicaInfo]) -> None:
         old = self.replicas
@@ -119,7 +117,6 @@ class ClusterView:
             del self.waiting[key]
         self.excluded.clear()
         self.index.retain(self.replicas)
-        self.arrivals.forget(set(self.replicas))
         self._heartbeat_loads.clear()
         self.nodes = {}
         for r in replicas:
@@ -152,8 +149,6 @@ class ClusterView:
             queued_streams=queued[0], queued_context=queued[1],
             queued_tokens_left=queued[2] / queued[0] if queued[0] else 0.0,
             overdue=self.overdue_of(rid, now) if now is not None else {},
-            arrival_slacks_s=self.arrivals.slacks(rid, now) if now is not None else (),
-            arrival_window_s=self.arrivals.window_s,
             node_id=replica.node_id, node_busy=node_busy)
 
     def stream_allowance(self, replica_id: str, now: float | None) -> float | None:
@@ -271,10 +266,6 @@ class ClusterView:
         if placement.prefill_on and placement.decision.prediction is not None:
             key = (placement.decision.route, placement.prefill_on)
             self.waiting.setdefault(key, deque()).append(placement)
-        if placement.prefill_on and placement.ttft_slo_s and placement.decision.prediction is not None \
-                and not placement.decision.yield_prefill:
-            self.arrivals.add(placement.prefill_on, placement.placed_at,
-                              placement.ttft_slo_s - placement.decision.prediction.ttft_s)
         if placement.prefill_on:
             self.backlog[placement.prefill_on] += placement.prefill_tokens
             self.backlog_work[placement.prefill_on] += placement.prefill_work

@@ -46,7 +46,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from router.arrivals import late_arrivals
 from router.queue_drain import Drain, Own, drain, own_prompt
 from router.replica_load import ReplicaLoad
 from workers.engine.cost_model import StepCoefficients
@@ -95,9 +94,6 @@ class Candidate:
     chunk_tokens: int | None = None  # `background`: the prompt tokens per decoding step
     num_streams: int = 0  # the streams beside it
     overdue_x: float = 1.0  # the prefill replica's `ReplicaLoad.overdue` on this route (a correction)
-    # the prompts expected to arrive behind its foreground chunks on the prefill replica and
-    # be late for them (`router/arrivals.py`); 0 for a background prefill, which yields
-    late_arrivals: float = 0.0
 
     @property
     def route(self) -> str:
@@ -208,8 +204,8 @@ def remote(req: RequestShape, p: ReplicaLoad, d: ReplicaLoad, prefill_cached: in
         busy_steps, busy_s = busy_steps + slowed, busy_s + slowed * gap
     streams = _streams_tpot(d, busy_steps, busy_s / busy_steps if busy_steps else 0.0, _gap_with(req, d))
     return Candidate("remote", d.replica_id, p.replica_id, Prediction(ttft, tpot, streams, tail),
-                     num_streams=d.num_streams, overdue_x=p.overdue.get("disagg", 1.0),
-                     late_arrivals=_late_behind(p, prefill))
+                     num_streams=d.num_streams,
+                     overdue_x=p.overdue.get("disagg", 1.0))
 
 
 def local(req: RequestShape, d: ReplicaLoad, cached: int, d_queue: Drain | None = None) -> Candidate:
@@ -230,8 +226,7 @@ def _on_decode_replica(kind: Kind, req: RequestShape, d: ReplicaLoad, prefill: D
                   _queued_tpot(d, prefill.own_steps, prefill.own_step_s, after))
     ttft = prefill.seconds + 0.5 * current_step_s(d, d_queue)
     return Candidate(kind, d.replica_id, d.replica_id, Prediction(ttft, tpot, streams), chunk,
-                     num_streams=d.num_streams + d.queued_streams, overdue_x=d.overdue.get("local", 1.0),
-                     late_arrivals=0.0 if kind == "background" else _late_behind(d, prefill))
+                     num_streams=d.num_streams + d.queued_streams, overdue_x=d.overdue.get("local", 1.0))
 
 
 def background_chunk(req: RequestShape, d: ReplicaLoad, stream_tpot_slo_s: float) -> int:
@@ -267,12 +262,7 @@ def whole(req: RequestShape, p: ReplicaLoad, cached: int) -> Candidate:
     tpot = _own_tpot(req, p, prefill.after_steps, prefill.after_step_s)
     ttft = prefill.seconds + 0.5 * current_step_s(p)
     return Candidate("whole", p.replica_id, p.replica_id, Prediction(ttft, tpot, 0.0),
-                     overdue_x=p.overdue.get("local", 1.0), late_arrivals=_late_behind(p, prefill))
-
-
-def _late_behind(r: ReplicaLoad, prefill: Drain) -> float:
-    """The prompts expected late behind this prompt's foreground chunks on `r`."""
-    return late_arrivals(r.arrival_slacks_s, r.arrival_window_s, prefill.own_s)
+                     overdue_x=p.overdue.get("local", 1.0))
 
 
 def _gap_with(req: RequestShape, d: ReplicaLoad) -> float:

@@ -54,10 +54,6 @@ class ReplicaLoad:
     # route -> how far past its predicted TTFT the oldest request still waiting for its first
     # token from this replica's prefill is (>= 1; absent: none is late)
     overdue: dict[str, float] = field(default_factory=dict)
-    # the TTFT slack of each prompt that arrived for its foreground lane over the last
-    # `arrival_window_s`, ascending (`router/arrivals.py`; this router's placements)
-    arrival_slacks_s: tuple[float, ...] = ()
-    arrival_window_s: float = 10.0
     node_id: str = ""  # its machine ("": unknown, shares with no one)
     # the other replicas of its node busy now, already priced into `coefficients` (each
     # slows its steps by the step model's `node_contention`)
