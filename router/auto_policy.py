@@ -15,12 +15,16 @@ A candidate meets the SLO when its TTFT and this request's TPOT meet the workloa
 the TPOT the streams beside it will see meets theirs. The candidate that loses the least
 expected goodput wins (this request, plus each stream beside it); of equal ones, the one
 least at risk should the predictions be off: the sum, over every request it touches (this
-request's TTFT and TPOT, and each stream beside it), of exp(-slack / SLACK_SCALE), a
-slack fraction being 1 - predicted / objective. A margin counts once per request it
-protects, so a long prompt that every route serves in time goes where it leaves six
-streams 70% of their budget rather than 40%, even where that costs its own TPOT a few
-points of slack (leximin over the margins alone took the other, and the background
-prefill then held the decode replica for 2.5 s). Before the router has measured enough outcomes of a route, its predictions
+request's TTFT and TPOT, and each stream beside it, including those expected to join
+while the candidate's prompt chunks slow that replica, `Candidate.joining_streams`), of
+exp(-slack / SLACK_SCALE), a slack fraction being 1 - predicted / objective. A margin
+counts once per request it protects, so a long prompt that every route serves in time
+goes where it leaves six streams 70% of their budget rather than 40%, even where that
+costs its own TPOT a few points of slack (leximin over the margins alone took the other,
+and the background prefill then held the decode replica for 2.5 s); and a background
+prefill that keeps six streams 40% inside for 4.5 s loses to a remote one that keeps
+them 27% inside where eighteen more requests will arrive meanwhile.
+Before the router has measured enough outcomes of a route, its predictions
 are taken as exact: a candidate that meets the SLO loses nothing, this request counts
 whole when it misses, and each stream pushed over its objective counts in proportion to
 how far. Once it has (`LearnedState.chance_within`), each term is the chance of missing,
@@ -113,8 +117,10 @@ def score(ctx: RouteContext, candidate: Candidate, prediction: Prediction, state
         streams_loss = candidate.num_streams * miss
     meets = own_meets and streams_ratio <= 1.0
     own_loss = (1.0 - own) * (1.0 + OVERLOAD_WEIGHT * min(max(ratios[0] - 1.0, 0.0), OVERLOAD_CAP))
+    # the streams' margin counts for those decoding there now and those expected to join
+    # while its chunks slow that replica's steps
     weights = [1.0] * (len(ratios) - 1 if candidate.num_streams else len(ratios)) + (
-        [float(candidate.num_streams)] if candidate.num_streams else [])
+        [candidate.num_streams + candidate.joining_streams] if candidate.num_streams else [])
     risk = sum(w * _at_risk(1.0 - r) for w, r in zip(weights, ratios, strict=True))
     return Scored(candidate, prediction, meets, tuple(sorted(1.0 - r for r in ratios)), own_loss + streams_loss,
                   risk)

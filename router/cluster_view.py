@@ -33,6 +33,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from router.arrival_rate import ArrivalRate
 from router.prefix_index import PrefixIndex
 from router.replica_load import DEFAULT_CHUNK_TOKENS, ReplicaLoad, from_stats
 
@@ -104,6 +105,7 @@ class ClusterView:
         # candidate per request (a prefill replica's transfer model has a fit per decode peer)
         self._heartbeat_loads: dict[str, tuple[ReplicaInfo, ReplicaLoad]] = {}
         self.nodes: dict[str, list[ReplicaInfo]] = {}  # node id -> its healthy replicas (known ids only)
+        self.arrivals = ArrivalRate()  # per replica: the requests this router placed to decode there lately
 
     def update(self, replicas: list[ReplicaInfo]) -> None:
         old = self.replicas
@@ -117,6 +119,7 @@ class ClusterView:
             del self.waiting[key]
         self.excluded.clear()
         self.index.retain(self.replicas)
+        self.arrivals.forget(set(self.replicas))
         self._heartbeat_loads.clear()
         self.nodes = {}
         for r in replicas:
@@ -149,6 +152,7 @@ class ClusterView:
             queued_streams=queued[0], queued_context=queued[1],
             queued_tokens_left=queued[2] / queued[0] if queued[0] else 0.0,
             overdue=self.overdue_of(rid, now) if now is not None else {},
+            arrival_rate=self.arrivals.rate(rid, now) if now is not None else 0.0,
             node_id=replica.node_id, node_busy=node_busy)
 
     def stream_allowance(self, replica_id: str, now: float | None) -> float | None:
@@ -277,6 +281,7 @@ class ClusterView:
                 self.background_chunks.setdefault(placement.prefill_on, {})[id(placement)] = (
                     candidate.chunk_tokens or 0) if candidate is not None else 0
         if placement.target_replica:
+            self.arrivals.add(placement.target_replica, placement.placed_at)
             self.awaiting_first[placement.target_replica] += placement.num_sequences
             if _prefills_elsewhere(placement):
                 self.incoming.setdefault(placement.target_replica, {})[id(placement)] = placement

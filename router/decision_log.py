@@ -63,7 +63,7 @@ def _load(r: ReplicaLoad) -> dict[str, Any]:
     return {"replica": r.replica_id, "queue_tokens": r.queue_tokens, "requests": r.num_requests,
             "streams": r.num_streams, "queued_streams": r.queued_streams,
             "stream_allowance_ms": _ms(r.stream_tpot_slo_s), "recent_gap_ms": _ms(r.recent_gap_s),
-            "node_busy": r.node_busy}
+            "node_busy": r.node_busy, "arrival_rate": round(r.arrival_rate, 3)}
 
 
 def _alternative(a: Alternative) -> dict[str, Any]:
@@ -71,7 +71,7 @@ def _alternative(a: Alternative) -> dict[str, Any]:
     return {"kind": c.kind, "decode_replica": c.decode_replica, "prefill_replica": c.prefill_replica,
             "chunk_tokens": c.chunk_tokens, "ttft_ms": _ms(p.ttft_s), "tpot_ms": _ms(p.tpot_s),
             "streams_tpot_ms": _ms(p.streams_tpot_s), "streams": c.num_streams, "meets": a.meets,
-            "loss": round(a.loss, 4)}
+            "loss": round(a.loss, 4), "joining_streams": round(c.joining_streams, 3)}
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -94,6 +94,8 @@ class Candidate:
     chunk_tokens: int | None = None  # `background`: the prompt tokens per decoding step
     num_streams: int = 0  # the streams beside it
     overdue_x: float = 1.0  # the prefill replica's `ReplicaLoad.overdue` on this route (a correction)
+    # requests expected to start decoding beside it while its chunks slow the decode replica's steps
+    joining_streams: float = 0.0
 
     @property
     def route(self) -> str:
@@ -226,7 +228,8 @@ def _on_decode_replica(kind: Kind, req: RequestShape, d: ReplicaLoad, prefill: D
                   _queued_tpot(d, prefill.own_steps, prefill.own_step_s, after))
     ttft = prefill.seconds + 0.5 * current_step_s(d, d_queue)
     return Candidate(kind, d.replica_id, d.replica_id, Prediction(ttft, tpot, streams), chunk,
-                     num_streams=d.num_streams + d.queued_streams, overdue_x=d.overdue.get("local", 1.0))
+                     num_streams=d.num_streams + d.queued_streams, overdue_x=d.overdue.get("local", 1.0),
+                     joining_streams=d.arrival_rate * prefill.own_s)
 
 
 def background_chunk(req: RequestShape, d: ReplicaLoad, stream_tpot_slo_s: float) -> int:

@@ -1,0 +1,78 @@
+"""The streams that join a decode replica while a candidate's prompt chunks slow it:
+the arrival rate the router's view keeps, and the decision it changes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from cluster.config import SLO
+from router.arrival_rate import ArrivalRate
+from tests.test_auto_policy import ctx, replica
+
+
+def test_the_rate_counts_the_placements_of_the_window_per_replica():
+    rate = ArrivalRate(window_s=10.0)
+    for i in range(40):
+        rate.add("d1", 0.25 * i)  # 4/s for 10 s
+    rate.add("d2", 5.0)
+    assert rate.rate("d1", 10.0) == pytest.approx(4.0)
+    assert rate.rate("d1", 15.0) == pytest.approx(2.0)  # the first 5 s have left the window
+    assert rate.rate("d2", 15.0) == pytest.approx(0.1) and rate.rate("d3", 15.0) == 0.0
+    rate.forget({"d2"})
+    assert rate.rate("d1", 15.0) == 0.0
+
+
+def test_the_view_reports_the_rate_of_requests_placed_to_decode_on_a_replica():
+    from router.cluster_view import ClusterView, ReplicaInfo
+    from router.placement import Placement
+    from router.policy import RouteDecision
+
+    view = ClusterView(16, 8)
+    d1 = ReplicaInfo("d1", "decode")
+    view.update([d1, ReplicaInfo("p1", "prefill")])
+    for i in range(20):
+        view.begin(Placement("decode", "d1", "p1" if i % 2 else None, RouteDecision("local", "slo-local"), 0,
+                             prefill_on="p1" if i % 2 else "d1", prefill_tokens=50, placed_at=float(i)))
+    assert view.load_of(d1, now=20.0).arrival_rate == pytest.approx(1.0)  # 10 of them in the last 10 s
+    assert view.load_of(view.replicas["p1"], now=20.0).arrival_rate == 0.0  # prefilled there, decoded elsewhere
+
+
+def test_a_long_background_prefill_loses_to_remote_where_requests_keep_arriving():
+    """A decision from `bench cluster`'s balanced cell (two repeats of three): a 1,496-token
+    prompt beside six streams, every route meeting its objectives. The background prefill
+    left the six streams 37% of their budget, remote 25%, so by the margins it went to the
+    background, ran 4.5 s, and the short requests arriving at 4/s meanwhile decoded beside
+    its chunks at 70-90 ms a token against 63. Counting the ~18 that join while it runs, it
+    goes remote; with none arriving, the background prefill still wins."""
+    from router.auto_policy import best, score
+    from router.predict import Candidate, Prediction
+
+    context = ctx(prompt_len=1496, slo=SLO(ttft_ms=5916, tpot_ms=63), decode=replica("d1", num_streams=6))
+    background = Candidate("background", "d1", "d1", Prediction(4.226, 0.0296, 0.0396), 21, 6)
+    remote = Candidate("remote", "d1", "p1", Prediction(2.116, 0.046, 0.047), None, 6)
+
+    def pick(joining: float) -> str:
+        routes = [dataclasses.replace(background, joining_streams=joining), remote]
+        scored = [score(context, c, c.prediction) for c in routes]
+        assert all(s.meets and s.loss == 0.0 for s in scored)
+        return best(scored).candidate.kind
+
+    assert pick(0.0) == "background"
+    assert pick(4.0 * 4.2) == "remote"
+
+
+def test_a_candidate_knows_the_streams_joining_while_its_chunks_run():
+    from router import predict
+
+    req = predict.RequestShape(1496, 16)
+    quiet = replica("d1", num_streams=6, stream_context=6 * 150, stream_tokens_left=20.0)
+    busy = dataclasses.replace(quiet, arrival_rate=4.0)
+    for d in (quiet, busy):
+        slow = predict.background(req, d, 0, 0.012)
+        assert slow is not None
+        assert slow.joining_streams == pytest.approx(d.arrival_rate * predict.drain(
+            d, predict.own_prompt(0, 1496, slow.chunk_tokens, background_chunk=slow.chunk_tokens)).own_s)
+    assert predict.background(req, busy, 0, 0.012).joining_streams > 1.0
+    assert predict.remote(req, replica("p1", "prefill"), busy, 0, 0).joining_streams == 0.0
