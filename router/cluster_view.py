@@ -90,11 +90,9 @@ class ClusterView:
         # (route, replica that prefills): placements waiting for their first token, oldest first
         self.waiting: dict[tuple[str, str], deque[Placement]] = {}
         self.excluded: set[str] = set()  # replicas that just failed a call, until the next update
-        # of `backlog`, this router's background prefills (foreground prompts go first)
+        # of `backlog`, this router's background prefills (they drain beside the foreground ones)
         self.background_backlog: Counter[str] = Counter()
         self.background_backlog_work: Counter[str] = Counter()
-        # replica -> this router's background prefills there, in order, and their chunks (0: the engine's)
-        self.background_chunks: dict[str, dict[int, int]] = {}
         self._healthy: dict[tuple[str, int], tuple[dict, list[ReplicaInfo]]] = {}
         self.index = PrefixIndex(prefix_capacity_blocks)
         self.backlog_work: Counter[str] = Counter()  # their attention work (router/predict.py)
@@ -145,8 +143,7 @@ class ClusterView:
             queue_work=max(self.backlog_work.get(rid, 0), base.queue_work + since.sent_work - since.done_work),
             background_tokens=max(self.background_backlog.get(rid, 0), base.background_tokens),
             background_work=max(self.background_backlog_work.get(rid, 0), base.background_work),
-            background_chunk_tokens=base.background_chunk_tokens or next(
-                iter(self.background_chunks.get(rid, {}).values()), 0),
+            background_chunk_tokens=base.background_chunk_tokens or self._background_chunk(rid),
             num_streams=decoding + incoming, stream_context=int(context),
             num_requests=self.load(replica), stream_tpot_slo_s=allowance,
             queued_streams=queued[0], queued_context=queued[1],
@@ -277,9 +274,6 @@ class ClusterView:
             if placement.decision.yield_prefill:
                 self.background_backlog[placement.prefill_on] += placement.prefill_tokens
                 self.background_backlog_work[placement.prefill_on] += placement.prefill_work
-                candidate = placement.decision.candidate
-                self.background_chunks.setdefault(placement.prefill_on, {})[id(placement)] = (
-                    candidate.chunk_tokens or 0) if candidate is not None else 0
         if placement.target_replica:
             self.arrivals.add(placement.target_replica, placement.placed_at)
             self.awaiting_first[placement.target_replica] += placement.num_sequences
@@ -332,10 +326,6 @@ class ClusterView:
             if placement.decision.yield_prefill:
                 _decrement(self.background_backlog, placement.prefill_on, placement.prefill_tokens)
                 _decrement(self.background_backlog_work, placement.prefill_on, placement.prefill_work)
-                chunks = self.background_chunks.get(placement.prefill_on, {})
-                chunks.pop(id(placement), None)
-                if not chunks:
-                    self.background_chunks.pop(placement.prefill_on, None)
             self._since(placement.prefill_on).done(placement.prefill_tokens, placement.prefill_work)
         if placement.target_replica:
             _decrement(self.awaiting_first, placement.target_replica, placement.num_sequences)
@@ -345,6 +335,16 @@ class ClusterView:
                 if not waiting:
                     self.incoming.pop(placement.target_replica, None)
 
+
+    def _background_chunk(self, replica_id: str) -> int:
+        """The chunk of this router's first background prefill still waiting for its first
+        token on `replica_id` (0: none, or the engine's own chunk)."""
+        if not self.background_backlog.get(replica_id):
+            return 0
+        for p in self.waiting.get(("local", replica_id), ()):
+            if p.decision.yield_prefill and not p.first_token:
+                return (p.decision.candidate.chunk_tokens or 0) if p.decision.candidate is not None else 0
+        return 0
 
     def _drop_answered(self, key: tuple[str, str]) -> None:
         queue = self.waiting.get(key)

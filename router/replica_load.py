@@ -26,7 +26,7 @@ class ReplicaLoad:
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # the engine's token budget per step
     queue_tokens: int = 0  # prompt tokens waiting for compute ahead of a new request
     queue_work: int = 0  # their attention work (chunk tokens x context), in the engine's chunking
-    # of the queue, background prefills: a foreground prompt goes before them
+    # of the queue, background prefills: they drain beside the foreground prompts (`router/queue_drain.py`)
     background_tokens: int = 0
     background_work: int = 0
     background_chunk_tokens: int = 0  # the first one's chunk per decoding step (0: unknown)
