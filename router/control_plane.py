@@ -167,6 +167,15 @@ class ControlPlaneCore:
     def push_metrics(self, source_id: str, snapshot: metrics.Snapshot | str | bytes) -> None:
         self.snapshots[source_id] = (self.clock(), metrics.as_snapshot(snapshot))
 
+    def now(self) -> float:
+        """This control plane's clock, the one `stale_sources` compares against."""
+        return self.clock()
+
+    def stale_sources(self, since: float) -> list[str]:
+        """The sources (replicas, routers) whose latest metrics were pushed before `since`."""
+        self._forget_silent(self.clock())
+        return sorted(s for s, (t, _) in self.snapshots.items() if t < since)
+
     def render_metrics(self) -> bytes:
         self._forget_silent(self.clock())
         current = [snap for _, snap in self.snapshots.values()]
@@ -228,6 +237,12 @@ class ControlPlane:
 
     def push_metrics(self, source_id: str, snapshot: metrics.Snapshot | str) -> None:
         self.core.push_metrics(source_id, snapshot)
+
+    def now(self) -> float:
+        return self.core.now()
+
+    def stale_sources(self, since: float) -> list[str]:
+        return self.core.stale_sources(since)
 
     def render_metrics(self) -> bytes:
         return self.core.render_metrics()

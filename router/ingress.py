@@ -45,6 +45,7 @@ from router.errors import (
 from router.http_errors import install_handlers
 from router.learning import PolicyLearner
 from router.logprob_format import TokenTexts
+from router.metrics_fresh import wait_fresh
 from router.middleware import RequestIdMiddleware, read_json
 from router.openai_fields import refused_field
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest
@@ -310,15 +311,25 @@ class Router:
         return JSONResponse(body, status_code=200 if can_serve else 503)
 
     @app.get("/metrics")
-    async def prometheus(self) -> Response:
+    async def prometheus(self, fresh: bool = False) -> Response:
+        """Summed over every replica and router; `fresh=true` first waits (a few seconds
+        at most) for each one's next push, so that the text holds all observed so far."""
         own = metrics.snapshot(self.metrics.registry)
+        headers = {}
         try:
-            await self.control_plane.push_metrics.remote(self.source_id, own)
+            async def push_own() -> None:
+                await self.control_plane.push_metrics.remote(self.source_id, own)
+
+            if fresh:
+                stale = await wait_fresh(self.control_plane, push_own)
+                headers["x-pdc-stale-sources"] = str(len(stale))
+            else:
+                await push_own()
             text = await self.control_plane.render_metrics.remote()
         except Exception as e:  # noqa: BLE001 - still show this router's own metrics
             log.warning("metrics from the control plane failed: %r", e)
             text = metrics.render(own)
-        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8", headers=headers)
 
     # ---- admin ------------------------------------------------------------------------
 

@@ -100,6 +100,14 @@ def _symptoms(url: str, run_dir: Path) -> dict[str, object]:
     return {f.symptom: f for f in findings}
 
 
+def _queue_numbers(url: str, run_dir: Path) -> dict[str, object]:
+    """What the queueing check read off a run's window, for a failure's message."""
+    window = collect(url, run_dir, token=TOKEN).window
+    return {"ttft": window.histogram("pdc_time_to_first_token_seconds"),
+            "queue_by_stage": window.histogram_by("pdc_request_queue_seconds", "stage"),
+            "routes": window.counter_by("pdc_route_decisions", "route")}
+
+
 SHARED = "The quarterly report covers revenue, costs and outlook for every region in detail. " * 8
 
 
@@ -165,7 +173,7 @@ def test_decode_pool_saturated_and_queueing(url, tmp_path):
     assert "decode-saturated" in found, found
     assert "prefill-saturated" not in found
     # a third of the requests wait a whole stream for a slot: most of the mean TTFT is queue
-    assert "queueing-dominates-ttft" in found, found
+    assert "queueing-dominates-ttft" in found, _queue_numbers(url, tmp_path / "dec")
 
 
 def test_timeouts_and_429s(url, tmp_path):

@@ -533,24 +533,11 @@ def test_lm_eval_loglikelihoods_match_transformers(client, tiny_model_dir, tmp_p
 # ---- n > 1, penalties and structured outputs on both routes -----------------------------
 
 
-def _prompt_tokens_computed(client, settle_s: float = 1.2, timeout_s: float = 15.0) -> dict[str, float]:
-    """Prompt tokens computed per pool, once two reads `settle_s` apart agree: workers push
-    their counters with heartbeats every 0.5 s, so a lone read may miss the last one."""
-    deadline, last = time.monotonic() + timeout_s, None
-    while True:
-        now = _sum_by(client.get("/metrics").text, "pdc_prompt_tokens_computed_total", "pool")
-        if now == last or time.monotonic() > deadline:
-            return now
-        last = now
-        time.sleep(settle_s)
-
-
-def _wait_counter(client, pool: str, target: float, timeout_s: float = 10.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout_s
-    while _sum_by(client.get("/metrics").text, "pdc_prompt_tokens_computed_total", "pool").get(pool, 0) < target \
-            and time.monotonic() < deadline:
-        time.sleep(0.3)
-    return _prompt_tokens_computed(client)  # and nothing more arrives after it
+def _prompt_tokens_computed(client) -> dict[str, float]:
+    """Prompt tokens computed per pool, by every replica up to this call (`fresh`)."""
+    r = client.get("/metrics", params={"fresh": "true"})
+    assert r.headers["x-pdc-stale-sources"] == "0"
+    return _sum_by(r.text, "pdc_prompt_tokens_computed_total", "pool")
 
 
 @pytest.mark.parametrize("mode", ["local", "disagg"])
@@ -566,7 +553,7 @@ def test_n_choices_are_seeded_singles_and_the_prompt_is_prefilled_once(client, m
     out = r.json()
     num_prompt_tokens = len(out["prompt_token_ids"])
     pool = "prefill" if mode == "disagg" else "decode"
-    after = _wait_counter(client, pool, before.get(pool, 0) + num_prompt_tokens)
+    after = _prompt_tokens_computed(client)
     computed = {p: after.get(p, 0) - before.get(p, 0) for p in ("prefill", "decode")}
     assert computed[pool] == num_prompt_tokens and sum(computed.values()) == num_prompt_tokens, computed
     assert [c["index"] for c in out["choices"]] == [0, 1, 2]

@@ -202,6 +202,23 @@ def test_control_plane_keeps_counters_of_forgotten_sources():
     assert 'reason="long-prompt",route="disagg",workload="default"} 2.0' in cp.render_metrics().decode()
 
 
+def test_control_plane_names_the_sources_behind_a_moment():
+    clock = Clock()
+    cp = ControlPlaneCore({}, clock=clock)
+    cp.register("d1", "decode")
+    cp.heartbeat("d1", {}, "# TYPE x counter\nx_total 1\n")
+    cp.push_metrics("router:a", "# TYPE y counter\ny_total 1\n")
+    since = cp.now()
+    assert cp.stale_sources(since - 1) == []
+    assert cp.stale_sources(since + 0.5) == ["d1", "router:a"]
+    clock.now += 0.5
+    cp.heartbeat("d1", {}, "# TYPE x counter\nx_total 2\n")
+    assert cp.stale_sources(since + 0.5) == ["router:a"]
+    clock.now += 1000  # a source silent past the forget horizon is retired, not waited for
+    cp.heartbeat("d1", {}, "# TYPE x counter\nx_total 3\n")
+    assert cp.stale_sources(clock.now) == []
+
+
 def test_replace_profiles_from_reconfigure_keeps_default():
     cp = ControlPlaneCore({})
     cp.replace_profiles({"x": {"mode": "local"}})

@@ -29,14 +29,14 @@ def read_records(run_dir: Path) -> list[RequestRecord]:
 def live_window(client: httpx.Client, url: str, seconds: float,
                 interval_s: float = SAMPLE_INTERVAL_S) -> Window:
     """Sample `/metrics` for `seconds`: the first and last expositions and the gauges between."""
-    first = fetch(url, client=client)
+    first = fetch(url, client=client, fresh=True)
     gauges = [(time.time(), gauges_of(first))]
-    last = first
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         time.sleep(min(interval_s, max(0.0, deadline - time.monotonic())))
-        last = fetch(url, client=client)
-        gauges.append((time.time(), gauges_of(last)))
+        gauges.append((time.time(), gauges_of(fetch(url, client=client))))
+    last = fetch(url, client=client, fresh=True)
+    gauges.append((time.time(), gauges_of(last)))
     return from_texts(first, last, gauges, seconds)
 
 

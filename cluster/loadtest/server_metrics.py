@@ -45,12 +45,15 @@ def gauges_of(text: str) -> Families:
     return gauges
 
 
-def fetch(url: str, timeout_s: float = 5.0, client: httpx.Client | None = None) -> str:
-    """`GET URL/metrics` as text; raises httpx errors."""
+def fetch(url: str, timeout_s: float = 8.0, client: httpx.Client | None = None, fresh: bool = False) -> str:
+    """`GET URL/metrics` as text; raises httpx errors. `fresh`: the server first waits
+    for every replica's next push, so the text holds everything observed before the call
+    (a window's first and last sample ask for it)."""
+    params = {"fresh": "true"} if fresh else None
     if client is not None:
-        response = client.get(f"{url}/metrics", timeout=timeout_s)
+        response = client.get(f"{url}/metrics", params=params, timeout=timeout_s)
     else:
-        response = httpx.get(f"{url}/metrics", timeout=timeout_s)
+        response = httpx.get(f"{url}/metrics", params=params, timeout=timeout_s)
     response.raise_for_status()
     return response.text
 
@@ -67,17 +70,17 @@ class MetricsRecorder:
         self.errors = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="metrics-recorder", daemon=True)
-        self._client = httpx.Client(timeout=5.0)
+        self._client = httpx.Client(timeout=8.0)
 
     def start(self) -> MetricsRecorder:
-        self._sample()  # the window opens before the first request
+        self._sample(fresh=True)  # the window opens before the first request, after all earlier ones
         self._thread.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10.0)
-        self._sample()
+        self._sample(fresh=True)  # and closes holding every observation of the run's requests
         self._client.close()
         self.write()
 
@@ -85,9 +88,9 @@ class MetricsRecorder:
         while not self._stop.wait(self.interval_s):
             self._sample()
 
-    def _sample(self) -> None:
+    def _sample(self, fresh: bool = False) -> None:
         try:
-            text = fetch(self.url, client=self._client)
+            text = fetch(self.url, client=self._client, fresh=fresh)
         except httpx.HTTPError:
             self.errors += 1
             return
