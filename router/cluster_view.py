@@ -27,7 +27,6 @@ victims are still waiting, not only once they complete.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -137,8 +136,8 @@ class ClusterView:
         allowance = self.stream_allowance(rid, now)
         queued = self.queued_here(rid)
         node_busy = float(self.node_busy(replica)) if base.coefficients.node_contention > 0 else 0.0
-        return dataclasses.replace(
-            base, coefficients=base.coefficients.slowed(node_busy),
+        return base.evolve(
+            coefficients=base.coefficients.slowed(node_busy),
             queue_tokens=max(self.backlog.get(rid, 0), base.queue_tokens + since.sent_tokens - since.done_tokens),
             queue_work=max(self.backlog_work.get(rid, 0), base.queue_work + since.sent_work - since.done_work),
             background_tokens=max(self.background_backlog.get(rid, 0), base.background_tokens),

@@ -9,7 +9,7 @@ heartbeat, so several router replicas stay consistent with each other. It is pla
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from workers.engine.cost_model import DEFAULT_COEFFICIENTS, StepCoefficients
 from workers.engine.transfer_cost import DEFAULT_TRANSFER, TransferCoefficients
@@ -60,6 +60,16 @@ class ReplicaLoad:
     # slows its steps by the step model's `node_contention`)
     node_busy: float = 0.0
 
+    def evolve(self, **changes: object) -> ReplicaLoad:
+        """`dataclasses.replace` without its per-call walk over the fields and `__init__`
+        (the router evolves a heartbeat's load per candidate replica per request). The
+        fields are plain data with no `__post_init__`, so copying them is the same thing."""
+        if not changes.keys() <= _FIELD_NAMES:
+            raise TypeError(f"ReplicaLoad has no field {sorted(changes.keys() - _FIELD_NAMES)}")
+        new = object.__new__(ReplicaLoad)
+        new.__dict__.update(self.__dict__, **changes)
+        return new
+
     @property
     def busy(self) -> bool:
         """Computing now or about to: requests, queued prompt tokens or streams."""
@@ -70,6 +80,9 @@ class ReplicaLoad:
 
     def transfer_to(self, peer: str | None) -> TransferCoefficients:
         return self.transfers.get(peer or "") or self.transfers.get("*") or DEFAULT_TRANSFER
+
+
+_FIELD_NAMES = frozenset(f.name for f in fields(ReplicaLoad))
 
 
 def from_stats(replica_id: str, role: str, stats: dict, address: str | None = None) -> ReplicaLoad:
