@@ -12,7 +12,11 @@ waiting on the same route and replica is (`ReplicaLoad.overdue`):
 - `whole` on an idle prefill replica (only when the placement offers one).
 
 A candidate meets the SLO when its TTFT and this request's TPOT meet the workload's and
-the TPOT the streams beside it will see meets theirs. The candidate that loses the least
+the TPOT the streams beside it will see meets theirs: what the tightest of them still in
+reach can afford. A stream that would miss its objective even with nothing added beside
+it (it needs a smaller gap than the replica's expected one) is past reach: it neither
+sets the others' objective (one such stream made every route look as if it broke all
+of them, and sized background chunks at one token) nor counts as lost to any route. The candidate that loses the least
 expected goodput wins (this request, plus each stream beside it); of equal ones, the one
 least at risk should the predictions be off: the sum, over every request it touches (this
 request's TTFT and TPOT, and each stream beside it, including those expected to join
@@ -70,7 +74,8 @@ def candidates(ctx: RouteContext) -> list[Candidate]:
     req, d = ctx.shape, ctx.decode
     d_queue = drain(d)  # priced once: every candidate looks at it
     out = [predict.local(req, d, ctx.num_cached_tokens, d_queue)]
-    slow = predict.background(req, d, ctx.num_cached_tokens, stream_slo_s(ctx), d_queue)
+    slow = predict.background(req, d, ctx.num_cached_tokens, stream_slo_s(ctx, predict.expected_gap_s(d))[0],
+                              d_queue)
     if slow is not None:
         out.append(slow)
     if ctx.num_healthy_prefill > 0:  # `auto` drops them when the decode replica has no room
@@ -81,12 +86,15 @@ def candidates(ctx: RouteContext) -> list[Candidate]:
     return out
 
 
-def stream_slo_s(ctx: RouteContext) -> float:
-    """The mean gap the streams on the decode replica can still afford: the least of
-    those this router knows of (`ReplicaLoad.stream_tpot_slo_s`; infinite when each is
-    already past reach), else this workload's TPOT objective."""
-    known = ctx.decode.stream_tpot_slo_s if ctx.decode is not None else None
-    return known if known is not None else ctx.slo.tpot_ms / 1000.0
+def stream_slo_s(ctx: RouteContext, floor_s: float = 0.0) -> tuple[float, int]:
+    """The mean gap the streams on the decode replica still in reach can afford, and how
+    many are past reach (`predict.stream_objective_s`: those that need less than `floor_s`,
+    the gap they see with nothing added); this workload's TPOT objective where no stream's
+    allowance is known."""
+    default = ctx.slo.tpot_ms / 1000.0
+    if ctx.decode is None:
+        return default, 0
+    return predict.stream_objective_s(ctx.decode, default, floor_s)
 
 
 def corrected(candidate: Candidate, state: LearnedState, now: float) -> Prediction:
@@ -100,30 +108,42 @@ def corrected(candidate: Candidate, state: LearnedState, now: float) -> Predicti
 
 def score(ctx: RouteContext, candidate: Candidate, prediction: Prediction, state: LearnedState = EMPTY,
           now: float = 0.0) -> Scored:
-    slo_ttft, slo_tpot, slo_streams = ctx.slo.ttft_ms / 1000.0, ctx.slo.tpot_ms / 1000.0, stream_slo_s(ctx)
+    slo_ttft, slo_tpot = ctx.slo.ttft_ms / 1000.0, ctx.slo.tpot_ms / 1000.0
     route = candidate.route
+    slo_streams, past_reach = _streams_objective(ctx, candidate, state, now)
     ratios = [prediction.ttft_s / slo_ttft]
     own = _chance(state, "ttft", route, prediction.ttft_s, slo_ttft, now)
     if ctx.max_tokens >= 2:
         ratios.append(prediction.tpot_s / slo_tpot)
         own *= _chance(state, "tpot", route, prediction.tpot_s, slo_tpot, now)
     own_meets = all(r <= 1.0 for r in ratios)
-    streams_ratio = prediction.streams_tpot_s / slo_streams if candidate.num_streams else 0.0
+    at_stake = max(0, candidate.num_streams - past_reach)  # the streams this route can still cost
+    streams_ratio = prediction.streams_tpot_s / slo_streams if at_stake else 0.0
     streams_loss = 0.0
-    if candidate.num_streams:
+    if at_stake:
         ratios.append(streams_ratio)
         chance = state.chance_within("tpot", route, prediction.streams_tpot_s, slo_streams, now)
         miss = min(1.0, max(0.0, streams_ratio - 1.0)) if chance is None else 1.0 - chance
-        streams_loss = candidate.num_streams * miss
+        streams_loss = at_stake * miss
     meets = own_meets and streams_ratio <= 1.0
     own_loss = (1.0 - own) * (1.0 + OVERLOAD_WEIGHT * min(max(ratios[0] - 1.0, 0.0), OVERLOAD_CAP))
     # the streams' margin counts for those decoding there now and those expected to join
     # while its chunks slow that replica's steps
-    weights = [1.0] * (len(ratios) - 1 if candidate.num_streams else len(ratios)) + (
-        [candidate.num_streams + candidate.joining_streams] if candidate.num_streams else [])
+    weights = [1.0] * (len(ratios) - 1 if at_stake else len(ratios)) + (
+        [at_stake + candidate.joining_streams] if at_stake else [])
     risk = sum(w * _at_risk(1.0 - r) for w, r in zip(weights, ratios, strict=True))
     return Scored(candidate, prediction, meets, tuple(sorted(1.0 - r for r in ratios)), own_loss + streams_loss,
                   risk)
+
+
+def _streams_objective(ctx: RouteContext, candidate: Candidate, state: LearnedState,
+                       now: float) -> tuple[float, int]:
+    """`stream_slo_s` as this candidate's corrected predictions see the streams: past reach
+    below the gap they would see with nothing added, rescaled as its TPOT is."""
+    if not candidate.num_streams or ctx.decode is None:
+        return math.inf, 0
+    floor = predict.expected_gap_s(ctx.decode) * state.factor("tpot", candidate.route, candidate.decode_replica, now)
+    return stream_slo_s(ctx, floor)
 
 
 def _at_risk(slack: float) -> float:

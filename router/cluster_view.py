@@ -133,7 +133,7 @@ class ClusterView:
         per_stream = base.stream_context / base.num_streams if base.num_streams else 0.0
         incoming, incoming_context = self.incoming_soon(rid, now)
         context = base.stream_context + (decoding - base.num_streams) * per_stream + incoming_context
-        allowance = self.stream_allowance(rid, now)
+        allowances = self.stream_allowances(rid, now)
         queued = self.queued_here(rid)
         node_busy = float(self.node_busy(replica)) if base.coefficients.node_contention > 0 else 0.0
         return base.evolve(
@@ -144,26 +144,22 @@ class ClusterView:
             background_work=max(self.background_backlog_work.get(rid, 0), base.background_work),
             background_chunk_tokens=base.background_chunk_tokens or self._background_chunk(rid),
             num_streams=decoding + incoming, stream_context=int(context),
-            num_requests=self.load(replica), stream_tpot_slo_s=allowance,
+            num_requests=self.load(replica), stream_tpot_slo_s=_least_in_reach(allowances),
+            stream_allowances=allowances,
             queued_streams=queued[0], queued_context=queued[1],
             queued_tokens_left=queued[2] / queued[0] if queued[0] else 0.0,
             overdue=self.overdue_of(rid, now) if now is not None else {},
             arrival_rate=self.arrivals.rate(rid, now) if now is not None else 0.0,
             node_id=replica.node_id, node_busy=node_busy)
 
-    def stream_allowance(self, replica_id: str, now: float | None) -> float | None:
-        """The least mean gap this router's streams on `replica_id` can still afford
-        (`Placement.tpot_allowance`); None when it has none there, infinity when every one
-        of them is already past reach."""
+    def stream_allowances(self, replica_id: str, now: float | None) -> tuple[float, ...]:
+        """Ascending: the mean gap each of this router's streams on `replica_id` with a TPOT
+        objective can still afford (`Placement.tpot_allowance`), 0 for one already past
+        reach; () when it has none there."""
         placements = self.slo_streams.get(replica_id)
         if not placements:
-            return None
-        least = math.inf
-        for p in placements.values():
-            allowed = p.tpot_allowance(now)
-            if allowed is not None and allowed < least:
-                least = allowed
-        return least
+            return ()
+        return tuple(sorted(p.tpot_allowance(now) or 0.0 for p in placements.values() if p.tpot_slo_s is not None))
 
     def queued_here(self, replica_id: str) -> tuple[int, int, int]:
         """(sequences, their prompt tokens, tokens they will generate) of this router's
@@ -387,3 +383,10 @@ def _decrement(counter: Counter, key, amount: int = 1) -> None:
     counter[key] -= amount
     if counter[key] <= 0:
         del counter[key]
+
+
+def _least_in_reach(allowances: tuple[float, ...]) -> float | None:
+    """The least allowance above 0; None without any, infinity when every one is past reach."""
+    if not allowances:
+        return None
+    return next((a for a in allowances if a > 0.0), math.inf)

@@ -62,7 +62,9 @@ def _load(r: ReplicaLoad) -> dict[str, Any]:
     """What the policy read of one replica."""
     return {"replica": r.replica_id, "queue_tokens": r.queue_tokens, "requests": r.num_requests,
             "streams": r.num_streams, "queued_streams": r.queued_streams,
-            "stream_allowance_ms": _ms(r.stream_tpot_slo_s), "recent_gap_ms": _ms(r.recent_gap_s),
+            "stream_allowance_ms": _ms(r.stream_tpot_slo_s),
+            "stream_allowances_ms": [round(a * 1e3, 3) for a in r.stream_allowances],
+            "recent_gap_ms": _ms(r.recent_gap_s),
             "node_busy": r.node_busy, "arrival_rate": round(r.arrival_rate, 3)}
 
 

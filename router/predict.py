@@ -28,10 +28,11 @@ candidate:
 
 A stream's TPOT is its mean gap over the tokens it has left, so the prediction for the
 streams beside a prefill averages the slower mixed steps into the rest of their life,
-and it is held to what the tightest of them can still afford (`stream_tpot_slo_s`: its
-objective less what its gaps so far already took, spread over its tokens left); a
-decode step there is the expected gap (`expected_gap_s`): the step of the moment blended
-with the gap the replica's streams saw lately.
+and it is held to what the tightest of them still in reach can afford
+(`stream_objective_s`: a stream's objective less what its gaps so far already took,
+spread over its tokens left; one that cannot make it even with nothing added is past
+reach and sets nothing); a decode step there is the expected gap (`expected_gap_s`):
+the step of the moment blended with the gap the replica's streams saw lately.
 
 Replicas of one machine share its cores and memory bandwidth: a `ReplicaLoad`'s step
 model already prices its steps beside the other replicas of its node that are busy now
@@ -43,6 +44,8 @@ Everything here is pure arithmetic over plain data: no clock, no I/O.
 
 from __future__ import annotations
 
+import bisect
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -230,6 +233,20 @@ def _on_decode_replica(kind: Kind, req: RequestShape, d: ReplicaLoad, prefill: D
     return Candidate(kind, d.replica_id, d.replica_id, Prediction(ttft, tpot, streams), chunk,
                      num_streams=d.num_streams + d.queued_streams, overdue_x=d.overdue.get("local", 1.0),
                      joining_streams=d.arrival_rate * prefill.own_s)
+
+
+def stream_objective_s(d: ReplicaLoad, default_s: float, floor_s: float) -> tuple[float, int]:
+    """The mean gap the streams on `d` still in reach can afford, and how many of them are
+    past reach. A stream whose allowance is below `floor_s` (the gap it sees with nothing
+    added, `expected_gap_s`) misses its objective whatever is placed beside it: it neither
+    sets the others' objective nor counts as lost to any one route. `default_s` (this
+    workload's objective) where no stream's allowance is known; infinity when none is in
+    reach."""
+    allowances = d.stream_allowances
+    if not allowances:
+        return (default_s if d.stream_tpot_slo_s is None else d.stream_tpot_slo_s), 0
+    past = bisect.bisect_left(allowances, floor_s)
+    return (allowances[past] if past < len(allowances) else math.inf), past
 
 
 def background_chunk(req: RequestShape, d: ReplicaLoad, stream_tpot_slo_s: float) -> int:

@@ -37,6 +37,9 @@ class ReplicaLoad:
     # and meet its TPOT objective (its objective before its first token; infinity: every
     # known stream is past reach; None: none known)
     stream_tpot_slo_s: float | None = None
+    # ascending, the mean gap each of this router's streams there can still afford (0: past
+    # reach); () where unknown (`stream_tpot_slo_s` then stands for all of them)
+    stream_allowances: tuple[float, ...] = ()
     # prompts queued here in the foreground that decode here too: they become streams
     # before a prompt queued now gets its chunks
     queued_streams: int = 0

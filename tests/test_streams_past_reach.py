@@ -1,0 +1,100 @@
+"""Streams past reach: one that would miss its TPOT objective even with nothing added
+beside it neither sets the other streams' objective nor counts as lost to any route.
+
+In `bench cluster`'s tight cells seven decisions in ten with two or more streams on the
+decode replica had a stream whose allowance was below the replica's recent gap; it set
+every stream's objective, so every route looked as if it broke all of them, and a
+background prefill was sized at one token a step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from cluster.config import SLO, WorkloadProfile
+from router import predict
+from router.auto_policy import candidates, score
+from router.cluster_view import ClusterView, ReplicaInfo
+from router.placement import PolicyInputs, place
+from router.routing import decide
+from tests.test_auto_policy import BUSY_STREAMS, ctx, replica
+
+TIGHT = SLO(ttft_ms=2000, tpot_ms=12)
+SATURATED = (replica("p1", "prefill", queue_tokens=40_000),)
+
+
+def test_the_view_lists_each_streams_allowance_with_those_past_reach_at_zero():
+    view = ClusterView(block_size=16, max_num_seqs=8)
+    view.update([ReplicaInfo("d1", "decode")])
+    local = WorkloadProfile(mode="local")
+    placed = []
+    for tpot_ms in (50, 20):
+        inputs = PolicyInputs(slo=SLO(ttft_ms=1000, tpot_ms=tpot_ms), now=10.0)
+        p = place(view, [1] * 40, 17, local, None, offload_to_prefill=False, inputs=inputs)
+        view.begin(p)
+        placed.append(p)
+    d = view.replicas["d1"]
+    assert view.load_of(d, now=10.0).stream_allowances == pytest.approx((0.020, 0.050))
+    for p in placed:
+        view.prefill_done(p, now=11.0, num_tokens=1)
+        view.streamed(p, 4)
+    # 0.4 s for 4 gaps: the 50 ms one has (0.8 - 0.4) / 12 a gap left, the 20 ms one nothing
+    load = view.load_of(d, now=11.4)
+    assert load.stream_allowances == pytest.approx((0.0, 0.4 / 12))
+    assert load.stream_tpot_slo_s == pytest.approx(0.4 / 12)
+
+
+@pytest.mark.parametrize(("allowances", "floor", "expected"), [
+    ((0.0, 0.004, 0.012, 0.03), 0.009, (0.012, 2)),
+    ((0.0, 0.004, 0.012, 0.03), 0.05, (math.inf, 4)),
+    ((0.012, 0.03), 0.009, (0.012, 0)),
+])
+def test_the_objective_is_the_least_allowance_still_in_reach(allowances, floor, expected):
+    d = replica("d1", stream_allowances=allowances, stream_tpot_slo_s=allowances[0] or allowances[1])
+    assert predict.stream_objective_s(d, 0.05, floor) == expected
+
+
+def test_without_allowances_the_replicas_least_or_the_workloads_objective_stands():
+    assert predict.stream_objective_s(replica("d1", stream_tpot_slo_s=0.004), 0.05, 0.009) == (0.004, 0)
+    assert predict.stream_objective_s(replica("d1"), 0.05, 0.009) == (0.05, 0)
+
+
+def _busy(allowances: tuple[float, ...] | None, least: float):
+    """Eight streams at 9 ms a gap, seven of them allowed 12 ms and one `least`."""
+    return replica("d1", stream_tpot_slo_s=least, stream_allowances=allowances or (), **BUSY_STREAMS)
+
+
+def test_one_stream_past_reach_no_longer_makes_every_route_break_the_others():
+    """The table's tight-streams row (remote keeps them at their pace) with one of the
+    eight streams already past reach: remote still meets for the seven; held to the one
+    that cannot make it, no route met and each was charged all eight."""
+    mixed = (0.004,) + (0.012,) * 7
+    decision = decide(ctx(decode=_busy(mixed, 0.004), slo=TIGHT))
+    assert (decision.route, decision.reason, decision.candidate.kind) == ("disagg", "slo-disagg", "remote")
+    held_to_one = decide(ctx(decode=_busy(None, 0.004), slo=TIGHT))
+    assert held_to_one.reason == "no-route-meets-slo"
+    # a foreground prefill of 2,000 tokens breaks the streams in reach, and only those count
+    losses = {}
+    for name, allowances in (("mixed", mixed), ("all in reach", (0.012,) * 8)):
+        context = ctx(prompt_len=2000, decode=_busy(allowances, allowances[0]), slo=TIGHT)
+        local = next(c for c in candidates(context) if c.kind == "local")
+        scored = score(context, local, local.prediction)
+        assert local.num_streams == 8 and not scored.meets
+        losses[name] = scored.loss
+    assert losses["all in reach"] > 0 and losses["mixed"] == pytest.approx(losses["all in reach"] * 7 / 8)
+
+
+def test_a_background_chunk_is_sized_for_the_streams_still_in_reach():
+    """Prefill pool saturated: the prompt prefills beside the streams at their pace, at the
+    chunk that keeps the seven inside 12 ms, not at the one token that the stream past
+    reach would allow."""
+    mixed = (0.004,) + (0.012,) * 7
+    decision = decide(ctx(decode=_busy(mixed, 0.004), slo=SLO(ttft_ms=3000, tpot_ms=12), prefills=SATURATED))
+    assert (decision.candidate.kind, decision.reason) == ("background", "protect-streams")
+    assert decision.chunk_tokens == predict.background_chunk(predict.RequestShape(1000, 32), _busy(mixed, 0.004),
+                                                             0.012) > 1
+    held_to_one = next(c for c in candidates(ctx(decode=_busy(None, 0.004), slo=TIGHT, prefills=SATURATED))
+                       if c.kind == "background")
+    assert held_to_one.chunk_tokens == 1
