@@ -15,19 +15,20 @@ A candidate meets the SLO when its TTFT and this request's TPOT meet the workloa
 the TPOT the streams beside it will see meets theirs: what the tightest of them still in
 reach can afford. A stream that would miss its objective even with nothing added beside
 it (it needs a smaller gap than the replica's expected one) is past reach: it neither
-sets the others' objective (one such stream made every route look as if it broke all
-of them, and sized background chunks at one token) nor counts as lost to any route. The candidate that loses the least
-expected goodput wins (this request, plus each stream beside it); of equal ones, the one
-least at risk should the predictions be off: the sum, over every request it touches (this
-request's TTFT and TPOT, and each stream beside it, including those expected to join
-while the candidate's prompt chunks slow that replica, `Candidate.joining_streams`), of
-exp(-slack / SLACK_SCALE), a slack fraction being 1 - predicted / objective. A margin
-counts once per request it protects, so a long prompt that every route serves in time
-goes where it leaves six streams 70% of their budget rather than 40%, even where that
-costs its own TPOT a few points of slack (leximin over the margins alone took the other,
-and the background prefill then held the decode replica for 2.5 s); and a background
-prefill that keeps six streams 40% inside for 4.5 s loses to a remote one that keeps
-them 27% inside where eighteen more requests will arrive meanwhile.
+sets the others' objective (one such stream made every route look as if it broke all of
+them, and sized background chunks at one token) nor counts as lost to any route. The
+candidate that loses the least expected goodput wins (this request, plus each stream
+beside it); of equal ones, the one least at risk should the predictions be off: the sum,
+over every request it touches (this request's TTFT and TPOT, and each stream beside it,
+including those expected to join while the candidate's prompt chunks slow that replica,
+`Candidate.joining_streams`), of exp(-slack / SLACK_SCALE), a slack fraction being 1 -
+predicted / objective. A margin counts once per request it protects, so a long prompt
+that every route serves in time goes where it leaves six streams 70% of their budget
+rather than 40%, even where that costs its own TPOT a few points of slack (leximin over
+the margins alone took the other, and the background prefill then held the decode
+replica for 2.5 s); and a background prefill that keeps six streams 40% inside for 4.5 s
+loses to a remote one that keeps them 27% inside where eighteen more requests will
+arrive meanwhile.
 Before the router has measured enough outcomes of a route, its predictions
 are taken as exact: a candidate that meets the SLO loses nothing, this request counts
 whole when it misses, and each stream pushed over its objective counts in proportion to

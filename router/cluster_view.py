@@ -27,7 +27,6 @@ victims are still waiting, not only once they complete.
 
 from __future__ import annotations
 
-import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -144,8 +143,7 @@ class ClusterView:
             background_work=max(self.background_backlog_work.get(rid, 0), base.background_work),
             background_chunk_tokens=base.background_chunk_tokens or self._background_chunk(rid),
             num_streams=decoding + incoming, stream_context=int(context),
-            num_requests=self.load(replica), stream_tpot_slo_s=_least_in_reach(allowances),
-            stream_allowances=allowances,
+            num_requests=self.load(replica), stream_allowances=allowances,
             queued_streams=queued[0], queued_context=queued[1],
             queued_tokens_left=queued[2] / queued[0] if queued[0] else 0.0,
             overdue=self.overdue_of(rid, now) if now is not None else {},
@@ -384,9 +382,3 @@ def _decrement(counter: Counter, key, amount: int = 1) -> None:
     if counter[key] <= 0:
         del counter[key]
 
-
-def _least_in_reach(allowances: tuple[float, ...]) -> float | None:
-    """The least allowance above 0; None without any, infinity when every one is past reach."""
-    if not allowances:
-        return None
-    return next((a for a in allowances if a > 0.0), math.inf)

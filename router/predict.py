@@ -244,7 +244,7 @@ def stream_objective_s(d: ReplicaLoad, default_s: float, floor_s: float) -> tupl
     reach."""
     allowances = d.stream_allowances
     if not allowances:
-        return (default_s if d.stream_tpot_slo_s is None else d.stream_tpot_slo_s), 0
+        return default_s, 0
     past = bisect.bisect_left(allowances, floor_s)
     return (allowances[past] if past < len(allowances) else math.inf), past
 

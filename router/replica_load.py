@@ -9,6 +9,7 @@ heartbeat, so several router replicas stay consistent with each other. It is pla
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 
 from workers.engine.cost_model import DEFAULT_COEFFICIENTS, StepCoefficients
@@ -33,12 +34,9 @@ class ReplicaLoad:
     num_streams: int = 0  # sequences past their prompt, decoding
     stream_context: int = 0  # their context tokens, in total
     stream_tokens_left: float = 0.0  # tokens each stream still has to generate, on average
-    # the least mean gap one of those streams can still afford over the tokens it has left
-    # and meet its TPOT objective (its objective before its first token; infinity: every
-    # known stream is past reach; None: none known)
-    stream_tpot_slo_s: float | None = None
-    # ascending, the mean gap each of this router's streams there can still afford (0: past
-    # reach); () where unknown (`stream_tpot_slo_s` then stands for all of them)
+    # ascending, the mean gap each of this router's streams there can still afford over the
+    # tokens it has left and meet its TPOT objective (its objective before its first token;
+    # 0: past its budget already); () where it has none
     stream_allowances: tuple[float, ...] = ()
     # prompts queued here in the foreground that decode here too: they become streams
     # before a prompt queued now gets its chunks
@@ -72,6 +70,14 @@ class ReplicaLoad:
         new = object.__new__(ReplicaLoad)
         new.__dict__.update(self.__dict__, **changes)
         return new
+
+    @property
+    def stream_tpot_slo_s(self) -> float | None:
+        """The least allowance above 0 (`stream_allowances`); None without any, infinity
+        when each is past its budget."""
+        if not self.stream_allowances:
+            return None
+        return next((a for a in self.stream_allowances if a > 0.0), math.inf)
 
     @property
     def busy(self) -> bool:

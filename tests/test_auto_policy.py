@@ -370,7 +370,7 @@ def test_a_prompt_queued_ahead_decodes_beside_a_local_prefill_and_is_protected()
     alone = decide(ctx(prompt_len=2000, slo=slo, max_tokens=16))
     assert (alone.route, alone.candidate.kind) == ("local", "local")
     queued = replica("d1", queue_tokens=1500, queued_streams=1, queued_context=1500, queued_tokens_left=16.0,
-                     stream_tpot_slo_s=0.015)
+                     stream_allowances=(0.015,))
     local = predict.local(ctx(prompt_len=2000).shape, queued, 0)
     assert local.num_streams == 1
     # four 511-token chunks of ~57 ms beside the queued stream's first 4 of 15 gaps
@@ -390,14 +390,14 @@ def test_streams_that_spent_their_slack_are_held_to_what_is_left():
 
     def local_meets(allowance: float) -> bool:
         context = ctx(prompt_len=200, slo=SLO(ttft_ms=2000, tpot_ms=12),
-                      decode=replica("d1", stream_tpot_slo_s=allowance, **streams))
+                      decode=replica("d1", stream_allowances=(allowance,), **streams))
         local = predict.local(context.shape, context.decode, 0)
         assert local.prediction.streams_tpot_s == pytest.approx((0.029 + 39 * 0.0095) / 40, rel=0.02)
         return score(context, local, local.prediction).meets
 
     assert local_meets(0.012)
     assert not local_meets(0.0095)
-    assert local_meets(math.inf)
+    assert local_meets(0.0)  # past its budget already
 
 
 def test_of_routes_that_all_meet_the_one_that_leaves_the_most_requests_a_margin_wins():
@@ -411,7 +411,7 @@ def test_of_routes_that_all_meet_the_one_that_leaves_the_most_requests_a_margin_
     from router.predict import Candidate, Prediction
 
     context = ctx(prompt_len=1496, slo=SLO(ttft_ms=5758, tpot_ms=61),
-                  decode=replica("d1", num_streams=6, stream_tpot_slo_s=0.1266))
+                  decode=replica("d1", num_streams=6, stream_allowances=(0.1266,)))
     routes = {"background": Candidate("background", "d1", "d1", Prediction(2.224, 0.0324, 0.0739), 74, 6),
               "remote": Candidate("remote", "d1", "p1", Prediction(1.829, 0.0363, 0.0363), None, 6),
               "local": Candidate("local", "d1", "d1", Prediction(1.771, 0.0324, 0.0821), None, 6)}

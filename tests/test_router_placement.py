@@ -345,7 +345,7 @@ def test_a_load_evolves_as_dataclasses_replace_would_and_refuses_unknown_fields(
     view = ClusterView(block_size=16, max_num_seqs=8)
     view.update([ReplicaInfo("d1", "decode", node_id="n1", stats={"step_model": CONTENDED_MODEL, "num_running": 2})])
     base = view.load_of(view.replicas["d1"])
-    changes = {"queue_tokens": 77, "num_streams": 5, "overdue": {"local": 1.5}, "stream_tpot_slo_s": 0.02}
+    changes = {"queue_tokens": 77, "num_streams": 5, "overdue": {"local": 1.5}, "stream_allowances": (0.02,)}
     evolved = base.evolve(**changes)
     assert evolved == dataclasses.replace(base, **changes) and type(evolved) is type(base)
     assert base.queue_tokens != 77  # the original is untouched

@@ -52,33 +52,33 @@ def test_the_view_lists_each_streams_allowance_with_those_past_reach_at_zero():
     ((0.012, 0.03), 0.009, (0.012, 0)),
 ])
 def test_the_objective_is_the_least_allowance_still_in_reach(allowances, floor, expected):
-    d = replica("d1", stream_allowances=allowances, stream_tpot_slo_s=allowances[0] or allowances[1])
-    assert predict.stream_objective_s(d, 0.05, floor) == expected
+    assert predict.stream_objective_s(replica("d1", stream_allowances=allowances), 0.05, floor) == expected
 
 
-def test_without_allowances_the_replicas_least_or_the_workloads_objective_stands():
-    assert predict.stream_objective_s(replica("d1", stream_tpot_slo_s=0.004), 0.05, 0.009) == (0.004, 0)
+def test_without_allowances_the_workloads_objective_stands():
     assert predict.stream_objective_s(replica("d1"), 0.05, 0.009) == (0.05, 0)
 
 
-def _busy(allowances: tuple[float, ...] | None, least: float):
-    """Eight streams at 9 ms a gap, seven of them allowed 12 ms and one `least`."""
-    return replica("d1", stream_tpot_slo_s=least, stream_allowances=allowances or (), **BUSY_STREAMS)
+def _busy(allowances: tuple[float, ...]):
+    """Eight streams at 9 ms a gap, allowed `allowances`."""
+    return replica("d1", stream_allowances=allowances, **BUSY_STREAMS)
+
+
+MIXED = (0.004,) + (0.012,) * 7  # one of them past reach beside a 9 ms gap
 
 
 def test_one_stream_past_reach_no_longer_makes_every_route_break_the_others():
     """The table's tight-streams row (remote keeps them at their pace) with one of the
     eight streams already past reach: remote still meets for the seven; held to the one
-    that cannot make it, no route met and each was charged all eight."""
-    mixed = (0.004,) + (0.012,) * 7
-    decision = decide(ctx(decode=_busy(mixed, 0.004), slo=TIGHT))
+    that cannot make it (a floor of 0), every route would break all eight."""
+    decision = decide(ctx(decode=_busy(MIXED), slo=TIGHT))
     assert (decision.route, decision.reason, decision.candidate.kind) == ("disagg", "slo-disagg", "remote")
-    held_to_one = decide(ctx(decode=_busy(None, 0.004), slo=TIGHT))
-    assert held_to_one.reason == "no-route-meets-slo"
+    assert decision.prediction.streams_tpot_s > 0.004
+    assert predict.stream_objective_s(_busy(MIXED), 0.05, 0.0) == (0.004, 0)
     # a foreground prefill of 2,000 tokens breaks the streams in reach, and only those count
     losses = {}
-    for name, allowances in (("mixed", mixed), ("all in reach", (0.012,) * 8)):
-        context = ctx(prompt_len=2000, decode=_busy(allowances, allowances[0]), slo=TIGHT)
+    for name, allowances in (("mixed", MIXED), ("all in reach", (0.012,) * 8)):
+        context = ctx(prompt_len=2000, decode=_busy(allowances), slo=TIGHT)
         local = next(c for c in candidates(context) if c.kind == "local")
         scored = score(context, local, local.prediction)
         assert local.num_streams == 8 and not scored.meets
@@ -90,11 +90,8 @@ def test_a_background_chunk_is_sized_for_the_streams_still_in_reach():
     """Prefill pool saturated: the prompt prefills beside the streams at their pace, at the
     chunk that keeps the seven inside 12 ms, not at the one token that the stream past
     reach would allow."""
-    mixed = (0.004,) + (0.012,) * 7
-    decision = decide(ctx(decode=_busy(mixed, 0.004), slo=SLO(ttft_ms=3000, tpot_ms=12), prefills=SATURATED))
+    decision = decide(ctx(decode=_busy(MIXED), slo=SLO(ttft_ms=3000, tpot_ms=12), prefills=SATURATED))
     assert (decision.candidate.kind, decision.reason) == ("background", "protect-streams")
-    assert decision.chunk_tokens == predict.background_chunk(predict.RequestShape(1000, 32), _busy(mixed, 0.004),
-                                                             0.012) > 1
-    held_to_one = next(c for c in candidates(ctx(decode=_busy(None, 0.004), slo=TIGHT, prefills=SATURATED))
-                       if c.kind == "background")
-    assert held_to_one.chunk_tokens == 1
+    shape = predict.RequestShape(1000, 32)
+    assert decision.chunk_tokens == predict.background_chunk(shape, _busy(MIXED), 0.012) > 1
+    assert predict.background_chunk(shape, _busy(MIXED), 0.004) == 1
