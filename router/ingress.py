@@ -45,7 +45,7 @@ from router.errors import (
 from router.http_errors import install_handlers
 from router.learning import PolicyLearner
 from router.logprob_format import TokenTexts
-from router.metrics_fresh import wait_fresh
+from router.metrics_fresh import cluster_metrics
 from router.middleware import RequestIdMiddleware, read_json
 from router.openai_fields import refused_field
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest
@@ -314,18 +314,9 @@ class Router:
     async def prometheus(self, fresh: bool = False) -> Response:
         """Summed over every replica and router; `fresh=true` first waits (a few seconds
         at most) for each one's next push, so that the text holds all observed so far."""
-        own = metrics.snapshot(self.metrics.registry)
-        headers = {}
+        own, headers = metrics.snapshot(self.metrics.registry), {}
         try:
-            async def push_own() -> None:
-                await self.control_plane.push_metrics.remote(self.source_id, own)
-
-            if fresh:
-                stale = await wait_fresh(self.control_plane, push_own)
-                headers["x-pdc-stale-sources"] = str(len(stale))
-            else:
-                await push_own()
-            text = await self.control_plane.render_metrics.remote()
+            text, headers = await cluster_metrics(self.control_plane, self.source_id, own, fresh)
         except Exception as e:  # noqa: BLE001 - still show this router's own metrics
             log.warning("metrics from the control plane failed: %r", e)
             text = metrics.render(own)

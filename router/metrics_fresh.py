@@ -1,9 +1,10 @@
-"""Wait until every source's metrics on the control plane are newer than a moment.
+"""The cluster's metrics for `/metrics`, optionally holding everything observed so far.
 
 Engine replicas send their metrics with each heartbeat and routers every few seconds,
 so `/metrics` can trail what already happened by about one interval. A reader that
 brackets a window (a load test's first and last sample, `pdcluster doctor`) asks for
-`/metrics?fresh=true`: the answer then holds everything observed before it was asked.
+`/metrics?fresh=true`: the answer then waits for every source's next push and holds
+everything observed before it was asked.
 """
 
 from __future__ import annotations
@@ -16,11 +17,22 @@ FRESH_WAIT_S = 3.0  # beyond this a silent source is left as it is (its heartbea
 POLL_S = 0.05
 
 
-async def wait_fresh(control_plane: Any, push_own: Any, timeout_s: float = FRESH_WAIT_S) -> list[str]:
-    """Await `push_own()` (this router's snapshot) and then every other source's next
-    push; the sources still behind when `timeout_s` ends, none when all caught up."""
-    since = await control_plane.now.remote()
-    await push_own()
+async def cluster_metrics(control_plane: Any, source_id: str, own: Any, fresh: bool = False,
+                          timeout_s: float = FRESH_WAIT_S) -> tuple[bytes, dict[str, str]]:
+    """Push this router's `own` snapshot, then render every source's; with `fresh`, first
+    wait (at most `timeout_s`) until each other source has pushed since, and say in
+    header `x-pdc-stale-sources` how many had not."""
+    since = await control_plane.now.remote() if fresh else 0.0
+    await control_plane.push_metrics.remote(source_id, own)
+    headers = {}
+    if fresh:
+        stale = await _wait_for_pushes(control_plane, since, timeout_s)
+        headers["x-pdc-stale-sources"] = str(len(stale))
+    return await control_plane.render_metrics.remote(), headers
+
+
+async def _wait_for_pushes(control_plane: Any, since: float, timeout_s: float) -> list[str]:
+    """The sources still behind `since` when all caught up (none) or `timeout_s` ended."""
     deadline = time.monotonic() + timeout_s
     while True:
         stale = await control_plane.stale_sources.remote(since)
