@@ -1,4 +1,6 @@
-"""Streams past reach: one that would miss its TPOT objective even with nothing added
+"""The streams already decoding beside a prefill: a prompt queued ahead that will be one,
+streams held to the budget they have left, the margin counted once per stream, and
+streams past reach — one that would miss its TPOT objective even with nothing added
 beside it neither sets the other streams' objective nor counts as lost to any route.
 
 In `bench cluster`'s tight cells seven decisions in ten with two or more streams on the
@@ -9,6 +11,7 @@ background prefill was sized at one token a step.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -95,3 +98,67 @@ def test_a_background_chunk_is_sized_for_the_streams_still_in_reach():
     shape = predict.RequestShape(1000, 32)
     assert decision.chunk_tokens == predict.background_chunk(shape, _busy(MIXED), 0.012) > 1
     assert predict.background_chunk(shape, _busy(MIXED), 0.004) == 1
+
+
+def test_a_prompt_queued_ahead_decodes_beside_a_local_prefill_and_is_protected():
+    """A long prompt queued ahead on the decode replica becomes a stream before a second
+    one's chunks run: a local prefill would stall it past its objective, so the second
+    goes remote; with nothing queued ahead, local is free."""
+    slo = SLO(ttft_ms=5000, tpot_ms=15)
+    alone = decide(ctx(prompt_len=2000, slo=slo, max_tokens=16))
+    assert (alone.route, alone.candidate.kind) == ("local", "local")
+    queued = replica("d1", queue_tokens=1500, queued_streams=1, queued_context=1500, queued_tokens_left=16.0,
+                     stream_allowances=(0.015,))
+    local = predict.local(ctx(prompt_len=2000).shape, queued, 0)
+    assert local.num_streams == 1
+    # four 511-token chunks of ~57 ms beside the queued stream's first 4 of 15 gaps
+    assert local.prediction.streams_tpot_s == pytest.approx((4 * 0.0566 + 11 * 0.0055) / 15, rel=0.02)
+    decision = decide(ctx(prompt_len=2000, slo=slo, decode=queued, max_tokens=16))
+    assert (decision.route, decision.reason) == ("disagg", "slo-disagg")
+
+
+def test_streams_that_spent_their_slack_are_held_to_what_is_left():
+    """Eight streams with 40 tokens left at 9 ms a gap: a fresh 12 ms objective allows a short
+    foreground prefill beside them (one 29 ms step, then 9.5 ms gaps with this request:
+    10 ms a gap over what is left); streams whose earlier gaps left them 9.5 ms do not; streams already past reach are not
+    protected at all."""
+    from router.auto_policy import score
+
+    streams = dict(BUSY_STREAMS, stream_tokens_left=40.0)
+
+    def local_meets(allowance: float) -> bool:
+        context = ctx(prompt_len=200, slo=SLO(ttft_ms=2000, tpot_ms=12),
+                      decode=replica("d1", stream_allowances=(allowance,), **streams))
+        local = predict.local(context.shape, context.decode, 0)
+        assert local.prediction.streams_tpot_s == pytest.approx((0.029 + 39 * 0.0095) / 40, rel=0.02)
+        return score(context, local, local.prediction).meets
+
+    assert local_meets(0.012)
+    assert not local_meets(0.0095)
+    assert local_meets(0.0)  # past its budget already
+
+
+def test_of_routes_that_all_meet_the_one_that_leaves_the_most_requests_a_margin_wins():
+    """A live decision: a 1,496-token prompt (TTFT objective 5.8 s, TPOT 61 ms) beside six
+    streams that can afford 127 ms a token. Every route meets. A background prefill keeps
+    this request's TPOT 47% inside and leaves the streams 42%; remote leaves this request
+    40% and the streams 71%. The tightest margin alone (leximin) took the background
+    prefill, which then held the decode replica for 2.5 s; six streams' margin outweighs
+    a few points of one request's."""
+    from router.auto_policy import best, score
+    from router.predict import Candidate, Prediction
+
+    context = ctx(prompt_len=1496, slo=SLO(ttft_ms=5758, tpot_ms=61),
+                  decode=replica("d1", num_streams=6, stream_allowances=(0.1266,)))
+    routes = {"background": Candidate("background", "d1", "d1", Prediction(2.224, 0.0324, 0.0739), 74, 6),
+              "remote": Candidate("remote", "d1", "p1", Prediction(1.829, 0.0363, 0.0363), None, 6),
+              "local": Candidate("local", "d1", "d1", Prediction(1.771, 0.0324, 0.0821), None, 6)}
+    scored = {kind: score(context, c, c.prediction) for kind, c in routes.items()}
+    assert all(s.meets and s.loss == 0.0 for s in scored.values())
+    assert max(scored.values(), key=lambda s: s.slack).candidate.kind == "background"  # leximin's pick
+    assert best(list(scored.values())).candidate.kind == "remote"
+    # with no streams beside it, this request's own margins decide: the quicker local route
+    alone = ctx(prompt_len=1496, slo=SLO(ttft_ms=5758, tpot_ms=61))
+    lone = [score(alone, dataclasses.replace(c, num_streams=0), dataclasses.replace(c.prediction, streams_tpot_s=0.0))
+            for kind, c in routes.items() if kind != "background"]
+    assert best(lone).candidate.kind == "local"
