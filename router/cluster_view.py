@@ -328,7 +328,6 @@ class ClusterView:
                 if not waiting:
                     self.incoming.pop(placement.target_replica, None)
 
-
     def _background_chunk(self, replica_id: str) -> int:
         """The chunk of this router's first background prefill still waiting for its first
         token on `replica_id` (0: none, or the engine's own chunk)."""
@@ -381,4 +380,3 @@ def _decrement(counter: Counter, key, amount: int = 1) -> None:
     counter[key] -= amount
     if counter[key] <= 0:
         del counter[key]
-
