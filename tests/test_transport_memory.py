@@ -1,15 +1,13 @@
-"""The transport's own memory helpers: the single-threaded copy and the malloc tuning."""
+"""The transport's own memory helpers: the single-threaded copy and the shm slots."""
 
 from __future__ import annotations
 
-import ctypes
 import os
 
 import pytest
 import torch
 
 from transport.paths.base import copy_and_checksum, copy_bytes, tensor_bytes
-from transport.warm_memory import keep_freed_memory_warm
 from transport.wire import payload_checksum
 
 
@@ -24,12 +22,6 @@ def test_copy_bytes_is_bit_exact(dtype):
 def test_copy_bytes_refuses_mismatched_sizes():
     with pytest.raises(ValueError):
         copy_bytes(torch.zeros(3), torch.zeros(4))
-
-
-def test_malloc_tuning_is_idempotent():
-    has_mallopt = hasattr(ctypes.CDLL(None), "mallopt")
-    assert keep_freed_memory_warm() == has_mallopt
-    assert keep_freed_memory_warm() == has_mallopt
 
 
 def test_copy_and_checksum_matches_the_one_pass_checksum():

@@ -28,9 +28,9 @@ from transport.metrics import TransportMetrics
 from transport.paths.base import RecvPath
 from transport.paths.inline import InlineRecvPath
 from transport.transfers import TableReceiver, TransferTable
-from transport.warm_memory import keep_freed_memory_warm
 from transport.wire import ABORT, ACK, DONE, HELLO, LAYER, NACK, Header, WireCodec
 from workers.engine.kv_types import KVReservation, KVTarget
+from workers.engine.warm_memory import keep_freed_memory_warm
 
 log = logging.getLogger(__name__)
 

@@ -51,6 +51,7 @@ from workers.engine.scheduler import DEFAULT_YIELD_TOKENS, ScheduledSeq, Schedul
 from workers.engine.sequence import RequestOutput, Sequence, TokenLogprob
 from workers.engine.step_cost import ForwardTimer, StepCostModel, StepPhases, StepRecord
 from workers.engine.thread_clock import ThreadClock, ThreadTimes
+from workers.engine.warm_memory import keep_freed_memory_warm
 from workers.engine.warmup import warmup
 
 
@@ -65,6 +66,7 @@ class LLMEngine:
         """`node_activity`: this engine's slot on its node's board, so each step records how
         busy the node's other engines were during it (`StepRecord.node_busy`)."""
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        keep_freed_memory_warm()  # each step allocates its activations afresh
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs needs a CUDA device and this engine runs on {self.device}: "
                              "set engine.cuda_graphs to null (on where there is a GPU) or false")
