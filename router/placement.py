@@ -2,9 +2,8 @@
 
 `place()` picks the decode replica (prefix-cache affinity first, then load), the prefill
 replica (shortest queue), asks the routing policy (router/policy.py), and may send a
-local request whole to the prefill replica: the fixed rules when it is idle and the
-decode replica is not (no hardware idles while the decode replica is the busier one),
-`auto` wherever its predictions say so (streams spread over both pools). It reads the view and changes nothing; the caller
+local request whole to an idle prefill replica so that no hardware idles while the
+decode replica is the busier one. It reads the view and changes nothing; the caller
 records the request with `ClusterView.begin(placement)` when it sends it.
 
 The request's `RequestWork` changes the counts: n sequences need n of the decode
@@ -118,8 +117,8 @@ def _place(view: ClusterView, prompt_ids: list[int], max_tokens: int, profile: W
         return _whole_on(view, prefill, hashes, hits, prompt_ids, decision, work, inputs), None
     decode, hit_blocks = _choose_decode(view, decodes, hits)
     num_cached = min(hit_blocks * view.block_size, len(prompt_ids) - 1)
-    whole, whole_idle = _whole_offer(view, prefill, decode, hits, hit_blocks, len(prompt_ids), max_tokens,
-                                     work) if offload_to_prefill else (None, False)
+    whole = prefill if offload_to_prefill and prefill is not None and _prefer_prefill(
+        view, prefill, decode, hits, hit_blocks) else None
     ctx = RouteContext(
         prompt_len=len(prompt_ids), num_cached_tokens=num_cached, profile=profile,
         forced_mode=forced_mode, num_healthy_prefill=len(prefills),
@@ -131,7 +130,7 @@ def _place(view: ClusterView, prompt_ids: list[int], max_tokens: int, profile: W
         decode=view.load_of(decode, inputs.now), prefills=tuple(view.load_of(p, inputs.now) for p in ranked),
         prefill_cached_tokens=tuple(_cached(view, p, hits, prompt_ids) for p in ranked),
         whole=view.load_of(whole, inputs.now) if whole else None,
-        whole_cached_tokens=_cached(view, whole, hits, prompt_ids) if whole else 0, whole_idle=whole_idle)
+        whole_cached_tokens=_cached(view, whole, hits, prompt_ids) if whole else 0)
     decision = decide(ctx, inputs.state, inputs.now, inputs.settings)
     kind = decision.candidate.kind if decision.candidate is not None else None
     if decision.route == "disagg":
@@ -228,19 +227,12 @@ def _blocks_needed(block_size: int, prompt_len: int, max_tokens: int, hit_blocks
     return max(0, shared - hit_blocks) + num_sequences * per_sequence
 
 
-def _whole_offer(view: ClusterView, prefill: ReplicaInfo | None, decode: ReplicaInfo, hashes: list[int],
-                 decode_hit_blocks: int, prompt_len: int, max_tokens: int,
-                 work: RequestWork) -> tuple[ReplicaInfo | None, bool]:
-    """The prefill replica that may run the request whole: the least-loaded one, where it
-    has room for the request's streams and KV (`auto` prices it). And whether the fixed
-    rules take it for a local request: it is idle, the decode replica is not, and the
-    decode replica would not have saved more prompt work from its cache."""
-    if prefill is None:
-        return None, False
+def _prefer_prefill(view: ClusterView, prefill: ReplicaInfo, decode: ReplicaInfo, hashes: list[int],
+                    decode_hit_blocks: int) -> bool:
+    """An idle prefill replica takes a local request when the decode replica is busier
+    and would not have saved more prompt work from its cache."""
     prefill_hit = view.index.num_matched_blocks(prefill.replica_id, hashes)
-    if not _has_room(view, prefill, prompt_len, max_tokens, prefill_hit, work.num_sequences):
-        return None, False
-    return prefill, view.load(prefill) == 0 and view.load(decode) > 0 and prefill_hit >= decode_hit_blocks
+    return view.load(prefill) == 0 and view.load(decode) > 0 and prefill_hit >= decode_hit_blocks
 
 
 def _whole_on(view: ClusterView, prefill: ReplicaInfo, hashes: list[int], hits: list[int], prompt_ids: list[int],

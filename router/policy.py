@@ -84,12 +84,8 @@ class RouteContext:
     # each one's expected prefix-cache hit for this prompt, in tokens
     prefills: tuple[ReplicaLoad, ...] = ()
     prefill_cached_tokens: tuple[int, ...] = ()
-    # the least-loaded prefill replica, where it has room to run the request whole (`auto`
-    # prices it), and whether it is idle while the decode replica is not (the fixed rules
-    # then run a local request there)
-    whole: ReplicaLoad | None = None
+    whole: ReplicaLoad | None = None  # an idle prefill replica that may run the request whole
     whole_cached_tokens: int = 0
-    whole_idle: bool = False
 
     @property
     def num_uncached_tokens(self) -> int:

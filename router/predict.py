@@ -24,13 +24,7 @@ candidate:
   every step, beside the foreground prompts, once the background prefills ahead of it
   are done; priced as if streams stay beside it to the end (new ones keep arriving where
   streams decode).
-- `whole`: the request runs, prefill and decode, on a prefill replica, as `local`
-  there: behind that replica's queue, beside the streams of the requests it already runs
-  whole (the role-flexible path: a pool of prefill replicas lends its idle steps to
-  decoding).
-
-A prefill replica that runs requests whole has streams of its own: a `remote` prefill
-there slows them too (`Prediction.prefill_streams_tpot_s`).
+- `whole`: the request runs, prefill and decode, on an idle prefill replica.
 
 A stream's TPOT is its mean gap over the tokens it has left, so the prediction for the
 streams beside a prefill averages the slower mixed steps into the rest of their life,
@@ -81,15 +75,12 @@ class Prediction:
     tpot_s: float  # this request's mean gap after its first token
     streams_tpot_s: float = 0.0  # the streams already decoding beside it (0: none)
     transfer_s: float = 0.0  # the part of `ttft_s` that is the KV's exposed transfer tail
-    # `remote`: the streams of the requests the prefill replica runs whole, beside its prefill
-    prefill_streams_tpot_s: float = 0.0
 
     def scaled(self, ttft: float, tpot: float, overdue: float = 1.0) -> Prediction:
         """`ttft` rescales what the step models priced (the link's cost has its own fit,
         which follows a changed link by itself); `overdue` the whole TTFT."""
         ttft_s = scale_ttft(self.ttft_s, self.transfer_s, ttft) * overdue
-        return Prediction(ttft_s, self.tpot_s * tpot, self.streams_tpot_s * tpot, self.transfer_s * overdue,
-                          self.prefill_streams_tpot_s * tpot)
+        return Prediction(ttft_s, self.tpot_s * tpot, self.streams_tpot_s * tpot, self.transfer_s * overdue)
 
 
 def scale_ttft(ttft_s: float, transfer_s: float, factor: float) -> float:
@@ -105,7 +96,6 @@ class Candidate:
     prediction: Prediction
     chunk_tokens: int | None = None  # `background`: the prompt tokens per decoding step
     num_streams: int = 0  # the streams beside it
-    prefill_streams: int = 0  # `remote`: the streams on its prefill replica, beside its prefill
     overdue_x: float = 1.0  # the prefill replica's `ReplicaLoad.overdue` on this route (a correction)
     # requests expected to start decoding beside it while its chunks slow the decode replica's steps
     joining_streams: float = 0.0
@@ -218,9 +208,8 @@ def remote(req: RequestShape, p: ReplicaLoad, d: ReplicaLoad, prefill_cached: in
         slowed = prefill.seconds / gap if gap > 0 else 0.0
         busy_steps, busy_s = busy_steps + slowed, busy_s + slowed * gap
     streams = _streams_tpot(d, busy_steps, busy_s / busy_steps if busy_steps else 0.0, _gap_with(req, d))
-    on_p = _streams_tpot(p, prefill.busy_steps, prefill.step_s, expected_gap_s(p))
-    return Candidate("remote", d.replica_id, p.replica_id, Prediction(ttft, tpot, streams, tail, on_p),
-                     num_streams=d.num_streams, prefill_streams=p.num_streams,
+    return Candidate("remote", d.replica_id, p.replica_id, Prediction(ttft, tpot, streams, tail),
+                     num_streams=d.num_streams,
                      overdue_x=p.overdue.get("disagg", 1.0))
 
 
@@ -288,10 +277,12 @@ def background(req: RequestShape, d: ReplicaLoad, cached: int, stream_tpot_slo_s
 
 
 def whole(req: RequestShape, p: ReplicaLoad, cached: int) -> Candidate:
-    """Prefill and decode on the prefill replica `p`: `local` there, beside the streams
-    of the requests it already runs whole."""
+    """Prefill and decode on the prefill replica `p` (which has no streams of its own)."""
     prefill = drain(p, foreground(p, _start(req, cached), req.prompt_len))
-    return _on_decode_replica("whole", req, p, prefill, None)
+    tpot = _own_tpot(req, p, prefill.after_steps, prefill.after_step_s)
+    ttft = prefill.seconds + 0.5 * current_step_s(p)
+    return Candidate("whole", p.replica_id, p.replica_id, Prediction(ttft, tpot, 0.0),
+                     overdue_x=p.overdue.get("local", 1.0))
 
 
 def _gap_with(req: RequestShape, d: ReplicaLoad) -> float:

@@ -50,15 +50,15 @@ def decide(ctx: RouteContext, state: LearnedState = EMPTY, now: float = 0.0,
     decision = policy_for(ctx, state, now, settings).decide(ctx)
     if decision.candidate is not None:
         return decision
-    candidate = _matching(decision, candidates(ctx), ctx.whole_idle)
+    candidate = _matching(decision, candidates(ctx))
     if candidate is None:
         return decision
     return dataclasses.replace(decision, candidate=candidate, prediction=corrected(candidate, state, now))
 
 
-def _matching(decision: RouteDecision, options: list[Candidate], whole_idle: bool) -> Candidate | None:
+def _matching(decision: RouteDecision, options: list[Candidate]) -> Candidate | None:
     """The candidate a fixed rule's decision runs as: remote on the least-loaded prefill
-    replica; local whole on the prefill replica the placement offers when it is idle, else
+    replica; local whole on an idle prefill replica where the placement offers one, else
     in the background when the rule says so (at the engine's own chunk size), else the
     foreground."""
     by_kind: dict[str, Candidate] = {}
@@ -66,7 +66,7 @@ def _matching(decision: RouteDecision, options: list[Candidate], whole_idle: boo
         by_kind.setdefault(c.kind, c)  # remote: the first is the least loaded
     if decision.route == "disagg":
         return by_kind.get("remote")
-    if whole_idle and "whole" in by_kind:
+    if "whole" in by_kind:
         return by_kind["whole"]
     if decision.yield_prefill and "background" in by_kind:
         return dataclasses.replace(by_kind["background"], chunk_tokens=None)

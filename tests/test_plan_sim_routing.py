@@ -76,19 +76,6 @@ def test_an_idle_prefill_replica_runs_a_local_request_whole():
     assert sim.requests[1].placement.deployment == "prefill"
 
 
-def test_auto_spreads_a_burst_of_streams_over_both_pools():
-    """Sixteen short requests in 32 ms on 1 prefill + 1 decode replica: `auto` runs some
-    whole on the prefill replica while it already decodes others there (the fixed rules
-    send one there, while it is idle), so the streams share both replicas' steps."""
-    burst = [Arrival(i * 0.002, spec(i, 64, 50)) for i in range(16)]
-    for mode, least, most in (("auto", 4, 12), ("local", 1, 1)):
-        profile = WorkloadProfile(mode=mode, slo=SLO(ttft_ms=1000, tpot_ms=20))
-        sim = Simulation(SimConfig(num_prefill=1, num_decode=1, profiles={"default": profile}), calibration())
-        sim.run(burst)
-        whole = sum(r.placement.deployment == "prefill" for r in sim.requests)
-        assert least <= whole <= most, (mode, whole)
-
-
 def _shared_prefix_run(enable_prefix_caching: bool) -> tuple[Simulation, object]:
     prefixes = ["x" * 400, "y" * 400]
     arrivals = [Arrival(i * 0.05, RequestSpec(f"r{i}", "default", (
