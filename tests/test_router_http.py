@@ -1,8 +1,12 @@
 """The Router's HTTP API end to end: real Ray Serve, the real workers, real HTTP.
 
-One app (1 prefill + 1 decode + 2 router replicas) serves most tests; two small apps
-whose worker pools are pinned to a Ray resource no node has show `/health` degraded
-(prefill pool never comes up) and 503 (nothing can serve).
+One app (1 prefill + 1 decode + 2 router replicas, tests/router_http_support.py) serves
+most tests: completions and streaming, errors, the admin API, metrics and the worker
+stream. Two small apps whose worker pools are pinned to a Ray resource no node has show
+`/health` degraded (prefill pool never comes up) and 503 (nothing can serve). The same
+app, deployed again, serves the OpenAI client's view of the API
+(tests/test_router_http_openai.py) and the router's explanations of its routes
+(tests/test_router_http_policy.py).
 """
 
 from __future__ import annotations
@@ -14,74 +18,25 @@ import httpx
 import pytest
 
 from router.metrics import METRIC_NAMES
+from tests.router_http_support import (
+    APP,
+    DEFAULT_MAX_TOKENS,
+    MAX_TOKENS_LIMIT,
+    NOWHERE,
+    TOKEN,
+    app_config,
+    assert_openai_error,
+    complete,
+    serve_router_app,
+    sum_by,
+    wait_health,
+)
 from workers.protocol import REASONS
-
-APP = "pdc-router-http"
-TOKEN = "admin-secret-token"
-NOWHERE = {"resources": {"pdc_test_no_such_node": 1.0}}
-DEFAULT_MAX_TOKENS, MAX_TOKENS_LIMIT = 4, 96  # a bounded JSON object needs a few dozen tokens
-
-
-def _config(model_dir, token_file, **overrides):
-    config = {
-        "model": {"path": str(model_dir)},
-        "engine": {"num_kv_blocks": 512, "max_num_seqs": 16},
-        "transport": {"host": "127.0.0.1"},
-        "router": {"num_replicas": 2, "num_cpus": 0},
-        "secrets": {"admin_token_file": str(token_file)},
-        "limits": {"default_max_tokens": DEFAULT_MAX_TOKENS, "max_tokens_limit": MAX_TOKENS_LIMIT},
-        "workloads": {
-            "default": {"mode": "threshold", "min_remote_prefill_tokens": 32},
-            "locked": {"mode": "local", "allow_client_override": False},
-            "rag": {"mode": "disagg"},
-        },
-    }
-    config.update(overrides)
-    return config
-
-
-def _wait_health(client, ok, timeout_s=120.0, times=1):
-    """`times` answers in a row: with two router replicas, one replica's view may lag."""
-    deadline, streak = time.monotonic() + timeout_s, 0
-    while time.monotonic() < deadline:
-        try:
-            r = client.get("/health")
-            streak = streak + 1 if ok(r) else 0
-            if streak >= times:
-                return r
-        except httpx.HTTPError:
-            streak = 0
-        time.sleep(0.3)
-    raise AssertionError(f"/health never reached the expected state: {r.status_code} {r.text}")
 
 
 @pytest.fixture(scope="module")
 def client(ray_cluster, tiny_model_dir, tmp_path_factory):
-    from ray import serve
-
-    from cluster.app import build_app
-
-    token_file = tmp_path_factory.mktemp("secrets") / "admin"
-    token_file.write_text(TOKEN)
-    serve.run(build_app(_config(tiny_model_dir, token_file)), name=APP, route_prefix="/")
-    with httpx.Client(base_url=f"http://127.0.0.1:{ray_cluster['http_port']}", timeout=60) as c:
-        _wait_health(c, lambda r: r.status_code == 200 and r.json()["status"] == "ok", times=6)
-        yield c
-    serve.delete(APP)
-
-
-def complete(client, prompt="hello there", headers=None, **body):
-    body = {"prompt": prompt, "temperature": 0, **body}
-    return client.post("/v1/completions", json=body, headers=headers or {})
-
-
-def assert_openai_error(r, status, code=None):
-    assert r.status_code == status, r.text
-    error = r.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert "Traceback" not in r.text
-    if code is not None:
-        assert error["code"] == code
+    yield from serve_router_app(ray_cluster, tiny_model_dir, tmp_path_factory)
 
 
 def test_completion_headers_and_request_id(client):
@@ -314,9 +269,9 @@ def test_generate_travels_over_the_worker_stream(client):
     deadline = time.monotonic() + 10  # routers push their counts every few s, workers every 0.5 s
     while True:
         text = client.get("/metrics").text
-        calls, served = _sum_by(text, "pdc_worker_calls_total", "path"), _sum_by(
+        calls, served = sum_by(text, "pdc_worker_calls_total", "path"), sum_by(
             text, "pdc_worker_stream_calls_total", "method")
-        received = _sum_by(text, "pdc_kv_received_bytes_total", "path")
+        received = sum_by(text, "pdc_kv_received_bytes_total", "path")
         if (calls.get("stream", 0) >= 2 and served.get("prefill", 0) >= 1 and received) \
                 or time.monotonic() > deadline:
             break
@@ -325,451 +280,6 @@ def test_generate_travels_over_the_worker_stream(client):
     # the workers served them, and the decode replica called the prefill replica over it too
     assert served.get("generate", 0) >= 2 and served.get("prefill", 0) >= 1, served
     assert sum(received.values()) > 0, received  # and received the KV, by some data path
-
-
-def _sum_by(text: str, name: str, label: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith(name + "{"):
-            value = line.split(f'{label}="')[1].split('"')[0]
-            out[value] = out.get(value, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
-
-
-# ---- the OpenAI API through the official client -----------------------------------------
-
-
-@pytest.fixture(scope="module")
-def oai(client):
-    import openai
-
-    with openai.OpenAI(base_url=f"{client.base_url}/v1", api_key="unused", max_retries=0) as c:
-        yield c
-
-
-def _bad_request(call, param):
-    import openai
-
-    with pytest.raises(openai.BadRequestError) as info:
-        call()
-    error = info.value.body
-    assert error["param"] == param and param in error["message"], error
-    return error
-
-
-CHAT = [{"role": "user", "content": "hi"}]
-
-
-@pytest.mark.parametrize(("field", "value"), [
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]), ("tool_choice", "auto"),
-    ("functions", [{"name": "f"}]), ("function_call", "auto"), ("audio", {"voice": "x", "format": "wav"}),
-    ("modalities", ["text", "audio"]), ("prediction", {"type": "content", "content": "x"}),
-    ("reasoning_effort", "high")])
-def test_chat_fields_that_would_change_the_output_are_refused(oai, field, value):
-    _bad_request(lambda: oai.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1,
-                                                     extra_body={field: value}), field)
-
-
-def test_completion_suffix_refused_and_harmless_fields_accepted(oai):
-    _bad_request(lambda: oai.completions.create(model="tiny", prompt="x", suffix="y", max_tokens=1), "suffix")
-    out = oai.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1, user="u", metadata={"a": "b"},
-                                      store=False, tool_choice="none", parallel_tool_calls=False)
-    assert len(out.choices) == 1
-
-
-def test_limits_and_missing_content_are_400s(oai):
-    over = MAX_TOKENS_LIMIT + 1
-    _bad_request(lambda: oai.completions.create(model="tiny", prompt="x", max_tokens=over), "max_tokens")
-    _bad_request(lambda: oai.chat.completions.create(model="tiny", messages=CHAT, max_completion_tokens=over),
-                 "max_completion_tokens")
-    error = _bad_request(lambda: oai.chat.completions.create(model="tiny", messages=[{"role": "user"}]),
-                         "messages.0.content")
-    assert error["type"] == "invalid_request_error"
-
-
-def test_tokenize_detokenize_round_trip(client):
-    tokens = client.post("/tokenize", json={"model": "tiny", "prompt": "héllo"}).json()
-    assert tokens["count"] == len(tokens["tokens"]) == len("héllo".encode()) and tokens["max_model_len"] > 0
-    assert client.post("/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": "héllo"}
-    chat = client.post("/tokenize", json={"messages": CHAT}).json()
-    with_prompt = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1,
-                                                            "return_token_ids": True}).json()
-    assert chat["tokens"] == with_prompt["prompt_token_ids"]
-    assert_openai_error(client.post("/detokenize", json={"tokens": [10**7]}), 400)
-    assert_openai_error(client.post("/tokenize", json={"prompt": "x", "messages": CHAT}), 400)
-
-
-@pytest.mark.parametrize("mode", ["local", "disagg"])
-def test_prompt_lists_give_one_choice_per_prompt_in_order(oai, mode):
-    prompts = ["first prompt, long enough to go anywhere " * 2, "second " * 9, "a third one " * 6]
-    one_by_one = [oai.completions.create(model="tiny", prompt=p, max_tokens=3, temperature=0,
-                                         extra_headers={"x-pd-mode": mode}).choices[0].text for p in prompts]
-    batch = oai.completions.create(model="tiny", prompt=prompts, max_tokens=3, temperature=0,
-                                   extra_headers={"x-pd-mode": mode})
-    assert [c.index for c in batch.choices] == [0, 1, 2]
-    assert [c.text for c in batch.choices] == one_by_one
-    by_ids = oai.completions.create(model="tiny", prompt=[[5, 6, 7], [8, 9]], max_tokens=2, temperature=0,
-                                    extra_headers={"x-pd-mode": mode})
-    assert len(by_ids.choices) == 2 and by_ids.usage.prompt_tokens == 5
-
-
-def _transformers_logprobs(model_dir, ids):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32)
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0].float()
-    return torch.log_softmax(logits, dim=-1)
-
-
-@pytest.mark.parametrize("mode", ["local", "disagg"])
-def test_echo_with_logprobs_as_lm_eval_reads_it(oai, tiny_model_dir, mode):
-    """lm-eval's local-completions: token-id prompts, echo, max_tokens 1, logprobs 1; it reads
-    token_logprobs[ctxlen:-1] and top_logprobs[ctxlen:-1] of each choice."""
-    prompts = [[72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100] * 3, [84, 104, 101, 32, 99, 97, 116]]
-    out = oai.completions.create(model="tiny", prompt=prompts, echo=True, max_tokens=1, logprobs=1,
-                                 temperature=0, extra_headers={"x-pd-mode": mode})
-    for choice, ids in zip(out.choices, prompts, strict=True):
-        lp = choice.logprobs
-        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + 1
-        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-        assert choice.text.startswith(bytes(ids).decode())
-        expected = _transformers_logprobs(tiny_model_dir, ids)
-        for i in range(1, len(ids)):
-            assert abs(lp.token_logprobs[i] - expected[i - 1, ids[i]].item()) < 1e-4
-            assert len(lp.top_logprobs[i]) >= 1
-    # A cached prefix must not leave gaps: the same prompt again (now in the prefix cache)
-    # returns every prompt logprob, unchanged.
-    again = oai.completions.create(model="tiny", prompt=prompts[0], echo=True, max_tokens=1, logprobs=1,
-                                   temperature=0, extra_headers={"x-pd-mode": mode})
-    assert again.choices[0].logprobs.token_logprobs[:len(prompts[0])] == \
-        out.choices[0].logprobs.token_logprobs[:len(prompts[0])]
-    only_prompt = oai.completions.create(model="tiny", prompt="echo me", echo=True, max_tokens=0,
-                                         extra_headers={"x-pd-mode": mode})
-    assert only_prompt.choices[0].text == "echo me" and only_prompt.usage.completion_tokens == 0
-
-
-@pytest.mark.parametrize("mode", ["local", "disagg"])
-def test_generated_logprobs_shapes(oai, mode):
-    text = oai.completions.create(model="tiny", prompt="shapes of logprobs " * 3, max_tokens=3, logprobs=2,
-                                  temperature=0, extra_headers={"x-pd-mode": mode}).choices[0]
-    assert len(text.logprobs.tokens) == len(text.logprobs.token_logprobs) == 3
-    assert all(len(top) >= 1 for top in text.logprobs.top_logprobs)
-    assert "".join(text.logprobs.tokens) == text.text or text.finish_reason == "stop"
-    chat = oai.chat.completions.create(model="tiny", messages=CHAT, max_tokens=3, logprobs=True, top_logprobs=2,
-                                       temperature=0, extra_headers={"x-pd-mode": mode}).choices[0]
-    content = chat.logprobs.content
-    assert len(content) >= 1 and all(len(t.top_logprobs) == 2 and t.bytes for t in content)
-    assert content[0].top_logprobs[0].logprob >= content[0].top_logprobs[1].logprob
-    stream = oai.completions.create(model="tiny", prompt="shapes of logprobs " * 3, max_tokens=3, logprobs=2,
-                                    temperature=0, stream=True, extra_headers={"x-pd-mode": mode})
-    parts = [c for part in stream for c in part.choices if c.logprobs]
-    streamed = [lp for c in parts for lp in c.logprobs.token_logprobs]
-    # The same tokens; the values within float32 rounding: the first request's prompt was
-    # attended whole by the causal kernel, the repeat finds it in the prefix cache and
-    # attends its last block through the masked one, which sums in another order.
-    assert [t for c in parts for t in c.logprobs.tokens] == text.logprobs.tokens
-    assert streamed == pytest.approx(text.logprobs.token_logprobs, abs=1e-5)
-
-
-@pytest.mark.parametrize("mode", ["local", "disagg"])
-def test_generated_logprobs_equal_transformers(oai, client, tiny_model_dir, mode):
-    """Each generated token's logprob and its top alternatives are transformers'
-    log-softmax at that position (fp32), whichever route prefilled the prompt."""
-    prompt = "logprobs of what comes next " * 2
-    ids = client.post("/tokenize", json={"model": "tiny", "prompt": prompt}).json()["tokens"]
-    out = oai.completions.create(model="tiny", prompt=prompt, max_tokens=5, logprobs=3, temperature=0,
-                                 extra_headers={"x-pd-mode": mode}).choices[0]
-    token_ids = _generated_ids(client, prompt, mode)
-    expected = _transformers_logprobs(tiny_model_dir, ids + token_ids)
-    assert len(out.logprobs.token_logprobs) == len(token_ids)
-    for i, (token_id, logprob) in enumerate(zip(token_ids, out.logprobs.token_logprobs, strict=True)):
-        row = expected[len(ids) + i - 1]
-        assert abs(logprob - row[token_id].item()) < 1e-4
-        # Keyed by token text: tokens with the same text share a key (the most likely kept).
-        top = sorted(out.logprobs.top_logprobs[i].values(), reverse=True)
-        true_top = row.topk(3).values.tolist()
-        assert top[0] == pytest.approx(true_top[0], abs=1e-4)
-        assert all(min(abs(v - t) for t in true_top) < 1e-4 for v in top)
-
-
-def _generated_ids(client, prompt: str, mode: str) -> list[int]:
-    r = client.post("/v1/completions", headers={"x-pd-mode": mode},
-                    json={"model": "tiny", "prompt": prompt, "max_tokens": 5, "temperature": 0,
-                          "return_token_ids": True})
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["token_ids"]
-
-
-@pytest.mark.parametrize("mode", ["local", "disagg"])
-def test_response_format_json_schema_holds_or_is_a_400(oai, mode):
-    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}}, "required": ["a"],
-              "additionalProperties": False}
-    fmt = {"type": "json_schema", "json_schema": {"name": "o", "schema": schema, "strict": True}}
-    out = oai.chat.completions.create(model="tiny", messages=CHAT, max_completion_tokens=6, seed=1,
-                                      response_format=fmt, extra_headers={"x-pd-mode": mode}).choices[0]
-    if out.finish_reason == "stop":
-        assert set(json.loads(out.message.content)) == {"a"}
-    bad = {"type": "json_schema", "json_schema": {"name": "o", "schema": {"type": "nonsense"}}}
-    _bad_request(lambda: oai.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1,
-                                                     response_format=bad), "response_format")
-
-
-@pytest.mark.parametrize("mode", ["local", "disagg"])
-def test_lm_eval_loglikelihoods_match_transformers(client, tiny_model_dir, tmp_path, mode):
-    """lm-eval-harness's `local-completions` runs a multiple-choice task against the server;
-    its loglikelihoods equal transformers' own on both routes."""
-    from tests.lm_eval_support import reference_loglikelihoods, served_loglikelihoods, write_task
-
-    served = served_loglikelihoods(str(client.base_url), tiny_model_dir.name, tiny_model_dir,
-                                   write_task(tmp_path / "task"), {"x-pd-mode": mode})
-    reference = reference_loglikelihoods(tiny_model_dir)
-    assert [len(row) for row in served] == [len(row) for row in reference]
-    for got, want in zip(served, reference, strict=True):
-        assert got == pytest.approx(want, abs=1e-3)
-
-
-# ---- n > 1, penalties and structured outputs on both routes -----------------------------
-
-
-def _prompt_tokens_computed(client) -> dict[str, float]:
-    """Prompt tokens computed per pool, by every replica up to this call (`fresh`)."""
-    r = client.get("/metrics", params={"fresh": "true"})
-    assert r.headers["x-pdc-stale-sources"] == "0"
-    return _sum_by(r.text, "pdc_prompt_tokens_computed_total", "pool")
-
-
-@pytest.mark.parametrize("mode", ["local", "disagg"])
-def test_n_choices_are_seeded_singles_and_the_prompt_is_prefilled_once(client, mode):
-    """n = 3: choice i is what an n = 1 request with seed + i returns; usage counts the prompt
-    once and every generated token; the prompt is computed once, by the pool that prefills."""
-    prompt = f"{mode}: a fresh prompt for three sampled continuations, prefilled only once"
-    body = {"prompt": prompt, "temperature": 1.0, "seed": 1234, "max_tokens": 8, "return_token_ids": True}
-    before = _prompt_tokens_computed(client)
-    r = client.post("/v1/completions", json={**body, "n": 3}, headers={"x-pd-mode": mode})
-    assert r.status_code == 200, r.text
-    assert r.headers["x-pd-route"] == mode
-    out = r.json()
-    num_prompt_tokens = len(out["prompt_token_ids"])
-    pool = "prefill" if mode == "disagg" else "decode"
-    after = _prompt_tokens_computed(client)
-    computed = {p: after.get(p, 0) - before.get(p, 0) for p in ("prefill", "decode")}
-    assert computed[pool] == num_prompt_tokens and sum(computed.values()) == num_prompt_tokens, computed
-    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
-    assert out["usage"]["prompt_tokens"] == num_prompt_tokens
-    assert out["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in out["choices"])
-    for i, choice in enumerate(out["choices"]):
-        single = client.post("/v1/completions", json={**body, "seed": 1234 + i}, headers={"x-pd-mode": mode})
-        expected = single.json()["choices"][0]
-        assert (choice["token_ids"], choice["text"], choice["finish_reason"]) == \
-            (expected["token_ids"], expected["text"], expected["finish_reason"]), i
-    assert len({tuple(c["token_ids"]) for c in out["choices"]}) > 1  # the seeds differ, so do the samples
-
-
-@pytest.fixture(scope="module")
-def hf_tiny(tiny_model_dir):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), torch_dtype=torch.float32).eval()
-
-
-PENALTIES = [dict(frequency_penalty=1.5), dict(presence_penalty=2.0, frequency_penalty=-0.3),
-             dict(repetition_penalty=1.8)]
-
-
-@pytest.mark.parametrize("mode", ["local", "disagg"])
-def test_penalties_over_http_follow_the_reference_formulas(client, hf_tiny, mode):
-    """Greedy with each penalty gives, token for token, what OpenAI's formula (HF's for the
-    repetition penalty) applied to transformers' logits predicts; logit_bias +100 forces a token."""
-    from tests.test_penalties import reference_greedy
-    from workers.engine import SamplingParams
-
-    prompt = list(b"abababababab cdcdcd")  # every penalty below changes its greedy output
-    body = {"prompt": prompt, "temperature": 0, "max_tokens": 12, "ignore_eos": True, "return_token_ids": True}
-    headers = {"x-pd-mode": mode}
-
-    def served(**extra) -> list[int]:
-        r = client.post("/v1/completions", json={**body, **extra}, headers=headers)
-        assert r.status_code == 200 and r.headers["x-pd-route"] == mode, r.text
-        return r.json()["choices"][0]["token_ids"]
-
-    plain = served()
-    for penalty in PENALTIES:
-        expected = reference_greedy(hf_tiny, prompt, SamplingParams(max_tokens=12, temperature=0.0, **penalty))
-        assert served(**penalty) == expected, penalty
-        assert expected != plain, f"{penalty} changed nothing: the check proves nothing"
-    assert served(logit_bias={"42": 100}) == [42] * 12
-
-
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 6},
-        "size": {"type": "integer", "minimum": 0, "maximum": 999},
-        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
-        "ok": {"type": "boolean"},
-    },
-    "required": ["name", "size", "tags", "ok"],
-    "additionalProperties": False,
-}
-JSON_SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "item", "schema": SCHEMA, "strict": True}}
-
-
-@pytest.mark.parametrize("mode", ["local", "disagg"])
-def test_json_schema_holds_for_50_seeded_samples(oai, mode):
-    """Seeds 0..49 at temperature 1 (n = 10 from five seed bases): every output that stops
-    validates; one cut by max_tokens says `length`; json_object gives an object."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    import jsonschema
-
-    def sample(seed_base: int, fmt=JSON_SCHEMA_FORMAT, max_tokens=MAX_TOKENS_LIMIT):
-        raw = oai.chat.completions.with_raw_response.create(
-            model="tiny", messages=CHAT, n=10, seed=seed_base, temperature=1.0, max_completion_tokens=max_tokens,
-            response_format=fmt, extra_headers={"x-pd-mode": mode})
-        assert raw.headers["x-pd-route"] == mode
-        return raw.parse().choices
-
-    with ThreadPoolExecutor(5) as pool:
-        choices = [c for batch in pool.map(sample, range(0, 50, 10)) for c in batch]
-    assert len(choices) == 50
-    stopped = [c for c in choices if c.finish_reason == "stop"]
-    assert {c.finish_reason for c in choices} <= {"stop", "length"}
-    assert len(stopped) >= 25, [c.message.content for c in choices if c.finish_reason != "stop"]
-    for c in stopped:
-        jsonschema.validate(json.loads(c.message.content), SCHEMA)
-    cut = sample(0, max_tokens=5)
-    assert {c.finish_reason for c in cut} == {"length"}
-    objects = sample(100, fmt={"type": "json_object"})
-    assert all(isinstance(json.loads(c.message.content), dict) for c in objects if c.finish_reason == "stop")
-
-
-def test_unsupported_schemas_and_streamed_best_of_are_400s(oai):
-    no_schema = {"type": "json_schema"}
-    _bad_request(lambda: oai.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1,
-                                                     response_format=no_schema), "response_format.json_schema")
-    unique = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "array", "uniqueItems": True}}}
-    error = _bad_request(lambda: oai.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1,
-                                                             response_format=unique), "response_format")
-    assert "uniqueItems" in error["message"]
-    _bad_request(lambda: oai.completions.create(model="tiny", prompt="x", max_tokens=2, n=1, best_of=2,
-                                                stream=True), "best_of")
-
-
-def test_admin_steps_lists_every_replicas_step_and_transfer_records(client):
-    assert_openai_error(client.get("/admin/steps"), 401)
-    assert_openai_error(client.get("/admin/steps", headers={"authorization": "Bearer nope"}), 401)
-    auth = {"authorization": f"Bearer {TOKEN}"}
-    assert_openai_error(client.get("/admin/steps?limit=-1", headers=auth), 400)
-    started = time.time()
-    for mode in ("local", "disagg"):
-        assert complete(client, "records of steps and transfers " * 3, headers={"x-pd-mode": mode}).status_code == 200
-    deadline = time.monotonic() + 10  # a router replica's view may lag the registry by a poll
-    while True:
-        replicas = client.get(f"/admin/steps?since={started}", headers=auth).json()["replicas"]
-        by_role = {role: [r for r in replicas.values() if r["role"] == role] for role in ("prefill", "decode")}
-        if all(any(r["steps"] for r in by_role[role]) for role in by_role) or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    assert all("error" not in r for r in replicas.values()), replicas
-    assert all(any(r["steps"] for r in by_role[role]) for role in by_role), replicas
-    step = by_role["decode"][0]["steps"][-1]
-    assert {"start_time", "step_time_s", "num_prefill_tokens", "num_decode_seqs", "num_prefill_seqs",
-            "prefill_attention_work"} <= step.keys() and step["start_time"] >= started
-    [transfer] = [t for r in by_role["prefill"] for t in r["transfers"]]  # the one disaggregated request
-    assert transfer["num_bytes"] > 0 and 0 < transfer["tail_seconds"] <= transfer["seconds"]
-    assert not any(r["transfers"] for r in by_role["decode"])
-    newest = client.get("/admin/steps?limit=1", headers=auth).json()["replicas"]
-    assert all(len(r["steps"]) <= 1 and len(r["transfers"]) <= 1 for r in newest.values())
-    future = client.get(f"/admin/steps?since={time.time() + 3600}", headers=auth).json()["replicas"]
-    assert future.keys() == replicas.keys() and not any(r["steps"] or r["transfers"] for r in future.values())
-
-
-def _predicted(r) -> tuple[float, float]:
-    return float(r.headers["x-pd-predicted-ttft-ms"]), float(r.headers["x-pd-predicted-tpot-ms"])
-
-
-@pytest.mark.parametrize("mode", ["auto", "threshold", "local", "disagg"])
-def test_every_response_carries_the_routes_predictions(client, mode):
-    headers = {"x-pd-mode": mode}
-    r = complete(client, f"what does the {mode} route expect " * 3, headers=headers, max_tokens=4)
-    assert r.status_code == 200, r.text
-    ttft_ms, tpot_ms = _predicted(r)
-    assert 0 < ttft_ms < 60_000 and 0 < tpot_ms < 60_000
-    if mode in ("local", "disagg"):
-        assert r.headers["x-pd-route"] == mode
-    body = {"prompt": "a streamed answer predicts too", "max_tokens": 3, "stream": True, "temperature": 0}
-    with client.stream("POST", "/v1/completions", json=body, headers=headers) as streamed:
-        assert streamed.status_code == 200
-        assert all(v > 0 for v in _predicted(streamed))
-        streamed.read()
-
-
-def test_auto_explains_its_choice_with_an_slo_reason(client):
-    r = complete(client, "an auto request with the default objectives " * 2, headers={"x-pd-mode": "auto"})
-    assert r.status_code == 200, r.text
-    assert r.headers["x-pd-reason"] in ("slo-local", "slo-disagg", "protect-streams", "no-route-meets-slo",
-                                        "explore")
-
-
-def test_admin_policy_shows_models_and_corrections_and_resets(client):
-    assert_openai_error(client.get("/admin/policy"), 401)
-    assert_openai_error(client.post("/admin/policy/reset"), 401)
-    auth = {"authorization": f"Bearer {TOKEN}"}
-    deadline = time.monotonic() + 30  # two router replicas: keep going until one answers with what it learned
-    while True:
-        for mode in ("local", "disagg"):
-            complete(client, f"teach the router replicas {time.monotonic()} " * 2, headers={"x-pd-mode": mode},
-                     max_tokens=4)
-        policy = client.get("/admin/policy", headers=auth).json()
-        learned = {rid: r for rid, r in policy["replicas"].items() if r.get("corrections")}
-        transfers = [r["transfer_model"] for r in policy["replicas"].values() if r.get("role") == "prefill"]
-        if (learned and any(transfers)) or time.monotonic() > deadline:
-            break
-    roles = {r["role"] for r in policy["replicas"].values() if "role" in r}
-    assert roles == {"prefill", "decode"}, policy
-    for replica in policy["replicas"].values():
-        if "role" in replica:
-            assert {"fixed_s", "prefill_token_s", "decode_seq_s", "num_samples"} <= replica["step_model"].keys()
-    assert learned, policy
-    entry = next(iter(next(iter(learned.values()))["corrections"].values()))
-    assert entry["factor"] > 0 and entry["num_samples"] >= 1 and entry["updated_at"] > 0
-    assert any("*" in t for t in transfers if t), transfers
-    assert policy["settings"]["default_slo"] == {"ttft_ms": 2000.0, "tpot_ms": 200.0}
-    reset = client.post("/admin/policy/reset", headers=auth).json()
-    assert reset["reset_at"] is not None
-    assert not any(r.get("corrections") for r in reset["replicas"].values()), reset
-
-
-def test_admin_decisions_explain_each_route_with_every_candidate_priced(client):
-    assert_openai_error(client.get("/admin/decisions"), 401)
-    auth = {"authorization": f"Bearer {TOKEN}"}
-    assert_openai_error(client.get("/admin/decisions?limit=x", headers=auth), 400)
-    sent: set[str] = set()
-    deadline = time.monotonic() + 30  # two router replicas: until the one answering has routed one of ours
-    while True:
-        request_id = f"explain-{len(sent)}-{time.monotonic_ns()}"
-        sent.add(request_id)
-        r = complete(client, f"explain this route {request_id} " * 4, max_tokens=3,
-                     headers={"x-pd-mode": "auto", "x-request-id": request_id})
-        assert r.status_code == 200, r.text
-        body = client.get("/admin/decisions?limit=5", headers=auth).json()
-        ours = [d for d in body["decisions"] if d["request_id"] in sent]
-        if ours or time.monotonic() > deadline:
-            break
-    assert body["router"] and len(body["decisions"]) <= 5
-    d = ours[-1]
-    assert d["route"] in ("local", "disagg") and d["prompt_len"] > 0 and d["max_tokens"] == 3
-    kinds = {a["kind"] for a in d["alternatives"]}
-    assert d["kind"] in kinds and {"local", "remote"} <= kinds
-    assert all(a["ttft_ms"] > 0 and isinstance(a["meets"], bool) for a in d["alternatives"])
-    assert d["prefills"]
-    if d["kind"] == "whole":  # the request runs whole on an idle prefill replica: it decodes there
-        assert d["decode_replica"] == d["prefill_replica"] in {p["replica"] for p in d["prefills"]}
-    else:
-        assert d["decode"]["replica"] == d["decode_replica"]
 
 
 @pytest.fixture()
@@ -785,7 +295,7 @@ def unplaced_app(ray_cluster, tiny_model_dir, tmp_path, client):
     names = []
 
     def deploy(name, **overrides):
-        config = _config(tiny_model_dir, token, router={"num_replicas": 1, "num_cpus": 0}, **overrides)
+        config = app_config(tiny_model_dir, token, router={"num_replicas": 1, "num_cpus": 0}, **overrides)
         serve._run(build_app(config), _blocking=False, name=name, route_prefix="/")
         names.append(name)
 
@@ -800,7 +310,7 @@ def test_health_degraded_without_prefill_then_503_without_any(unplaced_app):
 
     client, deploy = unplaced_app
     deploy("pdc-no-prefill", prefill=NOWHERE)
-    r = _wait_health(client, lambda r: r.status_code == 200)
+    r = wait_health(client, lambda r: r.status_code == 200)
     assert r.json()["status"] == "degraded"
     assert r.json()["pools"]["prefill"]["status"] == "down"
     done = complete(client, "a long prompt that wants a prefill replica " * 2, headers={"x-pd-mode": "disagg"})
@@ -809,6 +319,6 @@ def test_health_degraded_without_prefill_then_503_without_any(unplaced_app):
     serve.delete("pdc-no-prefill")
 
     deploy("pdc-no-workers", prefill=NOWHERE, decode=NOWHERE)
-    r = _wait_health(client, lambda r: r.status_code == 503 and "error" not in r.json())
+    r = wait_health(client, lambda r: r.status_code == 503 and "error" not in r.json())
     assert r.json()["status"] == "unavailable"
     assert_openai_error(complete(client), 503)
