@@ -18,10 +18,10 @@ from workers.engine.cost_model import (
     StepCoefficients,
     StepCostFit,
     StepFeatures,
-    nnls,
     predict_step_s,
     step_features,
 )
+from workers.engine.nnls_fit import nnls
 from workers.engine.step_cost import StepRecord
 from workers.engine.transfer_cost import (
     DEFAULT_TRANSFER,

@@ -11,7 +11,8 @@ import pytest
 
 from cluster.config import load_config
 from tests.engine_support import greedy, make_engine_fixture, random_prompts  # noqa: F401
-from workers.engine.cost_model import DEFAULT_COEFFICIENTS, MAX_ANCHORS, MIN_FULL_FIT, StepCostFit
+from workers.engine.cost_model import DEFAULT_COEFFICIENTS, MAX_ANCHORS, StepCostFit
+from workers.engine.nnls_fit import MIN_FULL_FIT
 from workers.engine.warmup import long_prompt_lens, warmup
 from workers.engine_worker import EngineWorker
 

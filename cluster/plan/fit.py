@@ -23,16 +23,13 @@ import numpy as np
 
 from cluster.plan.calibration import FitQuality, StepModel, TransferModel
 from cluster.plan.records import ReplicaStep, ReplicaTransfer
-from workers.engine.cost_model import (
+from workers.engine.cost_model import StepCoefficients, has_work, predict_steps_s, step_features
+from workers.engine.nnls_fit import (
     MIN_STEP_S,
-    StepCoefficients,
     fit_with_contention,
     fit_work_then_wall,
     fits_on_cpu_time,
-    has_work,
     nnls,
-    predict_steps_s,
-    step_features,
 )
 from workers.engine.transfer_cost import DEFAULT_TRANSFER, fit_transfer
 
@@ -85,7 +82,7 @@ def fit_work_then_load(a: np.ndarray, wall: np.ndarray, cpu: np.ndarray, busy: n
 
 def fit_reported(steps: Sequence[ReplicaStep]) -> StepCoefficients:
     """The step model as a replica fits it online and reports it to the router (relative
-    error, `cost_model.fit_step_coefficients`; no stream term, which a replica cannot
+    error, `nnls_fit.fit_step_coefficients`; no stream term, which a replica cannot
     see) over `steps` (those with work)."""
     kept = [s for s in steps if has_work(s.record)]
     a, t, busy, _ = _design(kept)

@@ -3,12 +3,12 @@
 One step = schedule (scheduler.py) -> run the model on the paged cache (model_runner.py)
 -> sample (sampler.py) -> per-request finish checks (output_processor.py). The same
 engine serves prefill workers (requests with a `KVSink`, usually `max_tokens=1`) and
-decode workers (KV imported through `reserve_kv` / `write_kv_layer` / `commit_kv`).
+decode workers (KV imported through `reserve_kv` / `write_kv_layer` / `commit_kv`,
+kv_import.py). A request of n sequences forks from its one prefill (forking.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import threading
 import time
@@ -22,20 +22,16 @@ from transformers import AutoTokenizer
 
 from workers.engine.attention import KVExport
 from workers.engine.best_of import BestOf, add_scores
-from workers.engine.best_of import holds as holds_best_of
 from workers.engine.block_manager import BlockManager
 from workers.engine.cost_model import StepCoefficients, StepCostFit
+from workers.engine.forking import Forking
 from workers.engine.grammar import GrammarCompiler
 from workers.engine.kv_cache import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_MEMORY_FRACTION
+from workers.engine.kv_import import KVImport
 from workers.engine.kv_types import (
-    ByteDigest,
-    FirstToken,
     KVLayout,
-    KVPayload,
-    KVReservation,
     KVSink,
 )
-from workers.engine.logprobs import token_logprobs
 from workers.engine.model_runner import ModelRunner, resolve_dtype
 from workers.engine.node_activity import NodeActivity
 from workers.engine.output_processor import OutputProcessor
@@ -45,7 +41,7 @@ from workers.engine.prompt_logprobs import (
     prompt_positions,
 )
 from workers.engine.recent_load import recent_load
-from workers.engine.sampler import Sampler, SamplerOutput, SamplingRow, request_seed
+from workers.engine.sampler import Sampler, SamplingRow, request_seed
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import DEFAULT_YIELD_TOKENS, ScheduledSeq, Scheduler
 from workers.engine.sequence import RequestOutput, Sequence, TokenLogprob
@@ -55,7 +51,7 @@ from workers.engine.warm_memory import keep_freed_memory_warm
 from workers.engine.warmup import warmup
 
 
-class LLMEngine:
+class LLMEngine(KVImport, Forking):
     def __init__(self, model_dir: str, block_size: int = 16, num_kv_blocks: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
                  enable_prefix_caching: bool = True, device: str | None = None, dtype: str = "float32",
@@ -232,57 +228,6 @@ class LLMEngine:
         stamps.append(time.perf_counter())
         return outputs + forked
 
-    def _fork(self, sampling: list[ScheduledSeq], logits: torch.Tensor, sampled: SamplerOutput,
-              allowed: list[torch.Tensor | None]) -> list[RequestOutput]:
-        """Requests with `num_sequences > 1` whose first token is sampled this step: the
-        first tokens of their sequences 1.. are sampled from the same logits (seeds
-        seed + i), and the request forks into them here or, when its KV goes to another
-        engine, they go with it (`KVSink.on_complete`) and that engine forks it (`commit_kv`)."""
-        outputs = []
-        for row, s in enumerate(sampling):
-            parent = s.seq
-            if parent.params.num_sequences == 1 or parent.index or parent.output_token_ids:
-                continue
-            siblings = self._sample_siblings(parent, logits[row], allowed[row])
-            if parent.kv_sink is not None:
-                first, siblings = _scored(parent, logits[row], sampled.token_ids[row], sampled.logprobs[row], siblings)
-                parent.kv_sink.on_complete(sampled.token_ids[row], first, siblings)
-                parent.kv_sink = None
-                continue
-            children = self._fork_into(parent, siblings)
-            outputs += [self._append_token(c, f.token_id, f.logprob) for c, f in zip(children, siblings, strict=True)]
-            add_scores(children, logits[row].expand(len(children), -1))
-        return outputs
-
-    def _sample_siblings(self, parent: Sequence, logits: torch.Tensor,
-                         allowed: torch.Tensor | None) -> tuple[FirstToken, ...]:
-        """First tokens of `parent`'s sequences 1.. from its first token's logits `[vocab]`:
-        `parent`'s sampling row (penalties, and `allowed`, the grammar mask its own token was
-        sampled under) with seed `parent.seed + i`."""
-        row = self._sampling_row(parent, allowed)
-        rows = [dataclasses.replace(row, seed=parent.seed + i) for i in range(1, parent.params.num_sequences)]
-        sampled = self.sampler.sample(logits.expand(len(rows), -1), rows)
-        return tuple(FirstToken(t, lp) for t, lp in zip(sampled.token_ids, sampled.logprobs, strict=True))
-
-    def _fork_into(self, parent: Sequence, siblings: Seq[FirstToken]) -> list[Sequence]:
-        """Sequences 1.. of `parent`'s request (whose prompt is computed): each shares the
-        prompt's full blocks and gets its own copy of the partial last one (copy-on-write
-        where they diverge), then decodes on its own from its first token in `siblings`."""
-        children = [self._new_sequence(parent.request_id, parent.prompt_token_ids, parent.params,
-                                       parent.seed + i, index=i)
-                    for i in range(1, len(siblings) + 1)]
-        copies = [self.block_manager.fork(parent, child) for child in children]
-        if any(b is not None for b in copies):
-            diverging = parent.block_ids[parent.num_computed_tokens // self.layout.block_size]
-            self.runner.kv_cache.copy_block(diverging, [b for b in copies if b is not None])
-        for child in children:
-            child.arrival, child.num_cached_tokens = parent.arrival, parent.num_cached_tokens
-            child.prompt_logprobs = parent.prompt_logprobs
-            self.requests[child.seq_id] = child
-            self.best_of.track(child)
-            self.scheduler.add(child)
-        return children
-
     def _add_prompt_logprobs(self, batch: list[ScheduledSeq], prompt_logits: list[torch.Tensor]) -> None:
         for s, rows in zip(batch, prompt_logits, strict=True):
             self.num_prompt_tokens_computed += max(0, min(s.end, s.seq.num_prompt_tokens) - s.start)
@@ -386,93 +331,6 @@ class LLMEngine:
                          if o.finished and (o.request_id, o.index) in wanted)
         return [final[i, index] for i, p in zip(ids, params_list, strict=True) for index in range(p.n)]
 
-    # -- KV import (decode side) --------------------------------------------------------------
-
-    def reserve_kv(self, transfer_id: str, prompt_token_ids: Seq[int]) -> KVReservation | None:
-        """Hold blocks for a prompt's incoming KV; None when the pool has no room now.
-
-        Leading blocks the prefix cache already holds are reused (`num_cached_blocks`) and
-        need not be sent; the hit is capped like a local one, so at least the block with
-        the last prompt token is always received.
-        """
-        with self._lock:
-            if transfer_id in self.reservations:
-                raise ValueError(f"transfer id {transfer_id!r} is already reserved")
-            prompt = [int(t) for t in prompt_token_ids]
-            seq = Sequence(transfer_id, prompt, SamplingParams(), seed=0)
-            num_hit_tokens = self.block_manager.match_prefix(seq)
-            if not self.block_manager.allocate(seq, len(prompt)):
-                self.block_manager.free(seq)
-                return None
-            self.block_manager.record_query(len(prompt), num_hit_tokens)
-            self.reservations[transfer_id] = seq
-            return KVReservation(transfer_id, prompt, list(seq.block_ids),
-                                 num_hit_tokens // self.layout.block_size, self.layout)
-
-    def write_kv_layer(self, reservation: KVReservation, layer_idx: int, kv: KVPayload,
-                       digest: ByteDigest | None = None) -> None:
-        """Copy one received layer (`layout.layer_shape(num_blocks_to_receive)`) into its blocks,
-        feeding `digest` (if given) the bytes as they land (`copy_into_blocks`).
-
-        Safe from a transport thread while `step()` runs: it touches only reserved blocks,
-        which no running sequence reads or writes.
-        """
-        if reservation.transfer_id not in self.reservations:
-            raise KeyError(f"transfer {reservation.transfer_id!r} is not reserved (cancelled?)")
-        self.runner.kv_cache.write_blocks(layer_idx, reservation.block_ids[reservation.num_cached_blocks:], kv,
-                                          digest)
-        reservation.layers_written.add(layer_idx)
-
-    def commit_kv(self, reservation: KVReservation, request_id: str, params: SamplingParams,
-                  first_token_id: int, *, seed: int | None = None,
-                  first_logprob: TokenLogprob | None = None,
-                  prompt_logprobs: list[TokenLogprob | None] | None = None,
-                  siblings: Seq[FirstToken] = ()) -> None:
-        """Turn a fully written reservation into a request that decodes as if prefilled here.
-
-        `first_token_id` (sampled by the prefill worker) is appended as output token 0 and
-        reported by the next `step()` as the request's first output, its text made by the
-        request's own detokenizer and stop rules, exactly as for a token sampled here: a
-        stop string or `max_tokens=1` can end the request on it. `first_logprob` (the
-        prefill worker's, with the token) is reported with it as a local run would. `prompt_logprobs` (computed
-        where the prompt was) ride on that first output. `siblings` (n > 1: the first tokens
-        of sequences 1.., sampled with the same logits) fork the request here, as a local
-        prefill would have.
-        """
-        with self._lock:
-            missing = set(range(self.layout.num_layers)) - reservation.layers_written
-            if missing and reservation.num_blocks_to_receive:
-                raise ValueError(f"transfer {reservation.transfer_id!r}: layers {sorted(missing)} not written")
-            held = self.reservations.pop(reservation.transfer_id)
-            try:
-                seq = self._new_sequence(request_id, held.prompt_token_ids, params, seed)
-            except Exception:
-                self.block_manager.free(held)  # a refused commit must not strand its blocks
-                raise
-            seq.block_ids, seq.num_hashed_blocks = held.block_ids, held.num_hashed_blocks
-            seq.num_computed_tokens = seq.num_prompt_tokens
-            seq.num_cached_tokens = held.num_cached_tokens
-            if params.prompt_logprobs is not None:
-                seq.prompt_logprobs = prompt_logprobs
-            self.block_manager.cache_full_blocks(seq)
-            self.requests[seq.seq_id] = seq
-            self.best_of.track(seq)
-            self.scheduler.add(seq)
-            children = self._fork_into(seq, siblings)  # before a parent that ends frees its blocks
-            for s, lp in zip([seq, *children], [first_logprob, *(f.logprob for f in siblings)], strict=True):
-                if holds_best_of(s) and lp is not None:  # the first token's score, from the prefill side
-                    s.cumulative_logprob += lp.logprob
-            self._pending.append(self._append_token(seq, int(first_token_id), first_logprob))
-            self._pending += [self._append_token(c, f.token_id, f.logprob)
-                              for c, f in zip(children, siblings, strict=True)]
-
-    def cancel_kv(self, reservation: KVReservation) -> None:
-        """Free a reservation's blocks (transfer failed or was abandoned); idempotent."""
-        with self._lock:
-            held = self.reservations.pop(reservation.transfer_id, None)
-            if held is not None:
-                self.block_manager.free(held)
-
     # -- introspection -------------------------------------------------------------------------
 
     @property
@@ -520,14 +378,3 @@ def _is_first(seq: Sequence, new_token_ids: list[int]) -> bool:
     """The output that reports `seq`'s first token."""
     return len(seq.output_token_ids) == len(new_token_ids) == 1
 
-
-def _scored(parent: Sequence, logits: torch.Tensor, token_id: int, logprob: TokenLogprob | None,
-            siblings: tuple[FirstToken, ...]) -> tuple[TokenLogprob | None, tuple[FirstToken, ...]]:
-    """The first tokens a `best_of > n` request hands to another engine carry their raw
-    logprobs even when it asked for none: that engine ranks its sequences by them.
-    (`logits`: the row the first tokens were sampled from.)"""
-    if not holds_best_of(parent) or logprob is not None:
-        return logprob, siblings
-    ids = [token_id, *(f.token_id for f in siblings)]
-    scored = token_logprobs(logits.expand(len(ids), -1), ids, [0] * len(ids))
-    return scored[0], tuple(FirstToken(f.token_id, lp) for f, lp in zip(siblings, scored[1:], strict=True))

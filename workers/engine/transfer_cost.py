@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from workers.engine.cost_model import nnls_relative
+from workers.engine.nnls_fit import nnls_relative
 
 WINDOW = 512
 TAIL_MAX_AGE_S = 60.0  # a prefill replica's tail samples are forgotten after this
