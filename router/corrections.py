@@ -7,6 +7,8 @@ the HTTP hop before the router is not charged to the model; TPOT for requests of
 more tokens). A correction factor (measured / predicted, smoothed on the log scale)
 then rescales later predictions for that replica and route, so a slow prefill pool, a
 slow network or a cold transfer path shows up in the predictions within a few requests.
+Background prefills keep factors of their own (`Candidate.learned_as`): a foreground
+one's errors say little about theirs.
 
 A TTFT factor rescales only what the step models priced, not the KV transfer tail: the
 link has its own fit, which follows a changed link within a few transfers. A factor
@@ -45,7 +47,9 @@ from typing import Literal
 from router.predict import scale_ttft
 
 Metric = Literal["ttft", "tpot"]
-Key = tuple[str, str, str]  # (metric, route, replica): TTFT by the replica that prefills, TPOT by where it decodes
+# (metric, what it is learned as, replica): TTFT by the replica that prefills, TPOT by
+# where it decodes; learned as its route, a background prefill apart (`Candidate.learned_as`)
+Key = tuple[str, str, str]
 
 SMOOTHING = 0.5  # weight of the newest measurement on the log scale (the first one moves the factor half way)
 MAX_RATIO = 8.0  # one measurement counts as at most this ratio either way
@@ -80,6 +84,11 @@ class Outcome:
     predicted_tpot_s: float | None = None  # None: fewer than two tokens
     measured_tpot_s: float | None = None
     predicted_transfer_s: float = 0.0  # the transfer tail inside `predicted_ttft_s`
+    learned_as: str = ""  # the key of its corrections (`Candidate.learned_as`); "" = its route
+
+    @property
+    def key(self) -> str:
+        return self.learned_as or self.route
 
 
 @dataclass(frozen=True)
@@ -133,24 +142,26 @@ class Corrections:
     def observe(self, outcome: Outcome, now: float) -> None:
         state = self.snapshot()  # the residual is against the prediction as corrected before this outcome
         tail = min(max(outcome.predicted_transfer_s, 0.0), outcome.predicted_ttft_s)
-        self._residual("ttft", outcome.route, outcome.prefill_replica, outcome.predicted_ttft_s,
+        self._residual("ttft", outcome, outcome.prefill_replica, outcome.predicted_ttft_s,
                        outcome.measured_ttft_s, state, now, tail)
-        self._residual("tpot", outcome.route, outcome.decode_replica, outcome.predicted_tpot_s,
+        self._residual("tpot", outcome, outcome.decode_replica, outcome.predicted_tpot_s,
                        outcome.measured_tpot_s, state, now)
-        self._update(("ttft", outcome.route, outcome.prefill_replica), outcome.predicted_ttft_s - tail,
+        self._update(("ttft", outcome.key, outcome.prefill_replica), outcome.predicted_ttft_s - tail,
                      outcome.measured_ttft_s - tail, now)
         if outcome.predicted_tpot_s is not None and outcome.measured_tpot_s is not None:
-            self._update(("tpot", outcome.route, outcome.decode_replica), outcome.predicted_tpot_s,
+            self._update(("tpot", outcome.key, outcome.decode_replica), outcome.predicted_tpot_s,
                          outcome.measured_tpot_s, now)
         self._last_seen[outcome.route] = now
         self._snapshot = None
 
-    def _residual(self, metric: Metric, route: str, replica: str, predicted: float | None,
+    def _residual(self, metric: Metric, outcome: Outcome, replica: str, predicted: float | None,
                   measured: float | None, state: LearnedState, now: float, tail: float = 0.0) -> None:
+        """Measured over the corrected prediction, kept per route (the spread `auto`
+        weighs a route's candidates by)."""
         if predicted is None or measured is None or not _usable(predicted, measured):
             return
-        shown = scale_ttft(predicted, tail, state.factor(metric, route, replica, now))
-        self._residuals.setdefault((metric, route), deque(maxlen=RESIDUALS)).append(measured / shown)
+        shown = scale_ttft(predicted, tail, state.factor(metric, outcome.key, replica, now))
+        self._residuals.setdefault((metric, outcome.route), deque(maxlen=RESIDUALS)).append(measured / shown)
 
     def _update(self, key: Key, predicted: float, measured: float, now: float) -> None:
         if not _usable(predicted, measured):

@@ -52,8 +52,8 @@ class PolicyLearner:
         self.corrections.observe(outcome, now)
         state = self.corrections.snapshot()
         for metric, replica in (("ttft", outcome.prefill_replica), ("tpot", outcome.decode_replica)):
-            self.metrics.set_correction(self.router_id, replica, outcome.route, metric,
-                                        state.factor(metric, outcome.route, replica, now))
+            self.metrics.set_correction(self.router_id, replica, outcome.key, metric,
+                                        state.factor(metric, outcome.key, replica, now))
 
     def reset(self) -> None:
         self.corrections.reset()
@@ -111,4 +111,5 @@ def outcome_of(placement: Placement, ttft_s: float, tpot_s: float | None) -> Out
     raw = candidate.prediction
     measured_tpot = tpot_s if placement.num_sequences == 1 else None
     return Outcome(decision.route, candidate.prefill_replica, candidate.decode_replica, raw.ttft_s, ttft_s,
-                   raw.tpot_s if measured_tpot is not None else None, measured_tpot, raw.transfer_s)
+                   raw.tpot_s if measured_tpot is not None else None, measured_tpot, raw.transfer_s,
+                   candidate.learned_as)

@@ -104,6 +104,16 @@ class Candidate:
     def route(self) -> str:
         return "disagg" if self.kind == "remote" else "local"
 
+    @property
+    def learned_as(self) -> str:
+        """The key its predictions are corrected under (router/corrections.py): its route,
+        but a background prefill apart from the foreground ones. Its TTFT runs at the
+        small chunk it shares the decode replica's steps with, and its prediction errs
+        unlike theirs. Corrected by the foreground's factors, a background prefill of a
+        1,496-token prompt was predicted 3.6 s instead of about 10 s, and its streams' TPOT
+        half of what they then saw."""
+        return "background" if self.kind == "background" else self.route
+
 
 def added_contention(r: ReplicaLoad, extra_busy: float) -> float:
     """How much slower `r`'s steps get with `extra_busy` more busy replicas on its node

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from cluster.config import SLO, WorkloadProfile
 from router import predict
-from router.auto_policy import candidates, in_explore_bucket
+from router.auto_policy import candidates, corrected, in_explore_bucket
 from router.corrections import EMPTY, Corrections, Outcome
 from router.policy import RequestWork, RouteContext
 from router.queue_drain import drain
@@ -192,6 +192,29 @@ def test_a_correction_rescales_the_headers_prediction():
     assert 1.0 < state.factor("ttft", "local", "d1", 0.0) < 1.5  # a first sample moves it half way (log scale)
     assert fixed.prediction.ttft_s == pytest.approx(raw.prediction.ttft_s * state.factor("ttft", "local", "d1", 0.0))
     assert fixed.prediction.tpot_s == pytest.approx(raw.prediction.tpot_s * state.factor("tpot", "local", "d1", 0.0))
+
+
+def test_background_prefills_are_corrected_apart_from_foreground_ones():
+    """Foreground local requests that came in at a third of their prediction leave a
+    background prefill's prediction alone, and the reverse; both count as the local route
+    (its residuals, its last measurement)."""
+    corrections = Corrections()
+    for _ in range(6):
+        corrections.observe(Outcome("local", "d1", "d1", 0.3, 0.1, 0.030, 0.015), now=0.0)
+    state = corrections.snapshot()
+    assert state.factor("ttft", "local", "d1", 0.0) < 0.4 and state.factor("tpot", "local", "d1", 0.0) < 0.6
+    assert state.factor("ttft", "background", "d1", 0.0) == state.factor("tpot", "background", "d1", 0.0) == 1.0
+    context = ctx(decode=replica("d1", **BUSY_STREAMS))
+    by_kind = {c.kind: c for c in candidates(context)}
+    background = by_kind["background"]
+    assert background.learned_as == "background" and by_kind["local"].learned_as == "local"
+    assert corrected(background, state, 0.0) == background.prediction
+    assert corrected(by_kind["local"], state, 0.0).ttft_s < 0.4 * by_kind["local"].prediction.ttft_s
+    corrections.observe(Outcome("local", "d1", "d1", 1.0, 3.0, 0.02, 0.04, learned_as="background"), now=1.0)
+    state = corrections.snapshot()
+    assert state.factor("ttft", "background", "d1", 1.0) > 1.5
+    assert state.factor("ttft", "local", "d1", 1.0) < 0.4  # untouched by the background outcome
+    assert len(state.residuals["ttft", "local"]) == 7 and not state.stale("local", 1.0, 0.5)
 
 
 def test_the_transfer_tail_is_left_to_the_links_own_fit():

@@ -204,4 +204,5 @@ class Simulation:
         self.corrections.observe(Outcome(
             outcome.route, outcome.prefill_replica, outcome.decode_replica, outcome.predicted_ttft_s,
             measured(outcome.predicted_ttft_s, outcome.prefill_replica), tpot,
-            measured(tpot, outcome.decode_replica) if tpot is not None else None), self.now)
+            measured(tpot, outcome.decode_replica) if tpot is not None else None,
+            learned_as=outcome.learned_as), self.now)
