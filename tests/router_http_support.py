@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator
 
 import httpx
+import pytest
 
 APP = "pdc-router-http"
 TOKEN = "admin-secret-token"
@@ -62,6 +63,16 @@ def serve_router_app(ray_cluster, model_dir, tmp_path_factory, name: str = APP) 
         wait_health(c, lambda r: r.status_code == 200 and r.json()["status"] == "ok", times=6)
         yield c
     serve.delete(name)
+
+
+def app_fixture():
+    """A `client` fixture for a test module (`client = app_fixture()`): the app, deployed
+    once for that module and deleted after it."""
+    @pytest.fixture(scope="module")
+    def client(ray_cluster, tiny_model_dir, tmp_path_factory) -> Iterator[httpx.Client]:
+        yield from serve_router_app(ray_cluster, tiny_model_dir, tmp_path_factory)
+
+    return client
 
 
 def complete(client, prompt="hello there", headers=None, **body):

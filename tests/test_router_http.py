@@ -25,18 +25,15 @@ from tests.router_http_support import (
     NOWHERE,
     TOKEN,
     app_config,
+    app_fixture,
     assert_openai_error,
     complete,
-    serve_router_app,
     sum_by,
     wait_health,
 )
 from workers.protocol import REASONS
 
-
-@pytest.fixture(scope="module")
-def client(ray_cluster, tiny_model_dir, tmp_path_factory):
-    yield from serve_router_app(ray_cluster, tiny_model_dir, tmp_path_factory)
+client = app_fixture()  # this module's deployment of the app
 
 
 def test_completion_headers_and_request_id(client):

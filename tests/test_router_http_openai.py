@@ -12,15 +12,12 @@ import pytest
 
 from tests.router_http_support import (
     MAX_TOKENS_LIMIT,
+    app_fixture,
     assert_openai_error,
-    serve_router_app,
     sum_by,
 )
 
-
-@pytest.fixture(scope="module")
-def client(ray_cluster, tiny_model_dir, tmp_path_factory):
-    yield from serve_router_app(ray_cluster, tiny_model_dir, tmp_path_factory)
+client = app_fixture()  # this module's deployment of the app
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,9 @@ import time
 
 import pytest
 
-from tests.router_http_support import TOKEN, assert_openai_error, complete, serve_router_app
+from tests.router_http_support import TOKEN, app_fixture, assert_openai_error, complete
 
-
-@pytest.fixture(scope="module")
-def client(ray_cluster, tiny_model_dir, tmp_path_factory):
-    yield from serve_router_app(ray_cluster, tiny_model_dir, tmp_path_factory)
+client = app_fixture()  # this module's deployment of the app
 
 
 def test_admin_steps_lists_every_replicas_step_and_transfer_records(client):
