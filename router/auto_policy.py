@@ -100,7 +100,8 @@ def stream_slo_s(ctx: RouteContext, floor_s: float = 0.0) -> tuple[float, int]:
 
 def corrected(candidate: Candidate, state: LearnedState, now: float) -> Prediction:
     """The raw prediction rescaled by what this router measured of the route on these
-    replicas, and by how late the route's oldest prompt there still waiting already is."""
+    replicas (of background prefills, for one: `Candidate.learned_as`), and by how late
+    the route's oldest prompt there still waiting already is."""
     learned_as = candidate.learned_as
     ttft = state.factor("ttft", learned_as, candidate.prefill_replica, now)
     tpot = state.factor("tpot", learned_as, candidate.decode_replica, now)
