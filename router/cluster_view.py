@@ -102,6 +102,8 @@ class ClusterView:
         self._heartbeat_loads: dict[str, tuple[ReplicaInfo, ReplicaLoad]] = {}
         self.nodes: dict[str, list[ReplicaInfo]] = {}  # node id -> its healthy replicas (known ids only)
         self.arrivals = ArrivalRate()  # per replica: the requests this router placed to decode there lately
+        # per replica: the prompt tokens (and their attention work) it placed to be computed there lately
+        self.prompt_arrivals, self.prompt_work_arrivals = ArrivalRate(), ArrivalRate()
 
     def update(self, replicas: list[ReplicaInfo]) -> None:
         old = self.replicas
@@ -115,7 +117,8 @@ class ClusterView:
             del self.waiting[key]
         self.excluded.clear()
         self.index.retain(self.replicas)
-        self.arrivals.forget(set(self.replicas))
+        for rate in (self.arrivals, self.prompt_arrivals, self.prompt_work_arrivals):
+            rate.forget(set(self.replicas))
         self._heartbeat_loads.clear()
         self.nodes = {}
         for r in replicas:
@@ -148,6 +151,8 @@ class ClusterView:
             queued_tokens_left=queued[2] / queued[0] if queued[0] else 0.0,
             overdue=self.overdue_of(rid, now) if now is not None else {},
             arrival_rate=self.arrivals.rate(rid, now) if now is not None else 0.0,
+            prompt_token_rate=self.prompt_arrivals.rate(rid, now) if now is not None else 0.0,
+            prompt_work_rate=self.prompt_work_arrivals.rate(rid, now) if now is not None else 0.0,
             node_id=replica.node_id, node_busy=node_busy)
 
     def stream_allowances(self, replica_id: str, now: float | None) -> tuple[float, ...]:
@@ -264,6 +269,8 @@ class ClusterView:
             self.backlog[placement.prefill_on] += placement.prefill_tokens
             self.backlog_work[placement.prefill_on] += placement.prefill_work
             self._since(placement.prefill_on).sent(placement.prefill_tokens, placement.prefill_work)
+            self.prompt_arrivals.add(placement.prefill_on, placement.placed_at, placement.prefill_tokens)
+            self.prompt_work_arrivals.add(placement.prefill_on, placement.placed_at, placement.prefill_work)
             if placement.decision.yield_prefill:
                 self.background_backlog[placement.prefill_on] += placement.prefill_tokens
                 self.background_backlog_work[placement.prefill_on] += placement.prefill_work

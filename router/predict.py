@@ -24,7 +24,8 @@ candidate:
   every step, beside the foreground prompts, once the background prefills ahead of it
   are done; priced as if streams stay beside it to the end (new ones keep arriving where
   streams decode).
-- `whole`: the request runs, prefill and decode, on an idle prefill replica.
+- `whole`: the request runs, prefill and decode, on an idle prefill replica, its gaps
+  stretched by the remote prefills that keep arriving there (`prompt_share`).
 
 A stream's TPOT is its mean gap over the tokens it has left, so the prediction for the
 streams beside a prefill averages the slower mixed steps into the rest of their life,
@@ -56,6 +57,7 @@ from workers.engine.cost_model import StepCoefficients
 Kind = Literal["remote", "local", "background", "whole"]
 STREAM_TPOT_MARGIN = 0.9  # a background chunk aims this far inside the streams' objective
 NOW_WEIGHT = 0.3  # of a replica's state now in a stream's expected gap; the rest is its recent past
+MAX_PROMPT_SHARE = 0.9  # of a replica's time taken by arriving prompts, as a stream's gap prices it
 
 
 @dataclass(frozen=True)
@@ -145,13 +147,24 @@ def expected_gap_s(r: ReplicaLoad, extra_seqs: float = 0.0, extra_context: float
     its streams (plus `extra_*`) take now, blended with the gap its streams saw lately,
     which counts the streams and prompts that kept arriving beside them (a request's TPOT
     averages over tens of steps; the state at one moment predicts it worse than the
-    replica's recent past does), plus what the extra streams add."""
+    replica's recent past does), plus what the extra streams add. Where its streams saw
+    no gaps lately (a prefill replica), the decode step stretched by the prompts arriving
+    there (`prompt_share`)."""
     now = decode_step_s(r, extra_seqs, extra_context)
     if r.recent_gap_s is None:
-        return now
+        return now / (1.0 - prompt_share(r))
     c = r.coefficients
     recent = r.recent_gap_s + c.decode_seq_s * extra_seqs + c.decode_context_s * extra_context
     return NOW_WEIGHT * now + (1.0 - NOW_WEIGHT) * recent
+
+
+def prompt_share(r: ReplicaLoad) -> float:
+    """The share of `r`'s time that prompts take, arriving at the pace this router placed
+    them there lately (at most `MAX_PROMPT_SHARE`). A stream there waits for their chunks:
+    whatever its batch, its gaps stretch by 1 / (1 - share) on average."""
+    c = r.coefficients
+    share = r.prompt_token_rate * c.prefill_token_s + r.prompt_work_rate * c.prefill_attention_s
+    return min(max(share, 0.0), MAX_PROMPT_SHARE)
 
 
 def current_step_s(r: ReplicaLoad, queue: Drain | None = None) -> float:
@@ -287,7 +300,8 @@ def background(req: RequestShape, d: ReplicaLoad, cached: int, stream_tpot_slo_s
 
 
 def whole(req: RequestShape, p: ReplicaLoad, cached: int) -> Candidate:
-    """Prefill and decode on the prefill replica `p` (which has no streams of its own)."""
+    """Prefill and decode on the prefill replica `p` (which has no streams of its own),
+    beside the remote prefills arriving there meanwhile (`expected_gap_s`)."""
     prefill = drain(p, foreground(p, _start(req, cached), req.prompt_len))
     tpot = _own_tpot(req, p, prefill.after_steps, prefill.after_step_s)
     ttft = prefill.seconds + 0.5 * current_step_s(p)

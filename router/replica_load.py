@@ -56,6 +56,9 @@ class ReplicaLoad:
     # token from this replica's prefill is (>= 1; absent: none is late)
     overdue: dict[str, float] = field(default_factory=dict)
     arrival_rate: float = 0.0  # requests placed to decode here per second lately (`router/arrival_rate.py`)
+    # prompt tokens placed to be computed here per second lately, and their attention work
+    prompt_token_rate: float = 0.0
+    prompt_work_rate: float = 0.0
     node_id: str = ""  # its machine ("": unknown, shares with no one)
     # the other replicas of its node busy now, already priced into `coefficients` (each
     # slows its steps by the step model's `node_contention`)

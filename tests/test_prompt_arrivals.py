@@ -1,0 +1,82 @@
+"""The prompts that keep arriving at a replica stretch the gaps of a stream decoding
+there: the prompt-token rate the router's view keeps, the gap it prices, and the decision
+it changes (a request run whole on a prefill replica that keeps getting remote prefills)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from cluster.config import SLO
+from router import predict
+from router.arrival_rate import MAX_KEPT, ArrivalRate
+from router.routing import decide
+from tests.test_auto_policy import COEFFS, ctx, replica
+
+
+def test_a_weighted_rate_sums_the_weights_of_the_window():
+    rate = ArrivalRate(window_s=10.0)
+    for i in range(20):
+        rate.add("p1", 0.5 * i, weight=100.0)  # 200 tokens/s for 10 s
+    assert rate.rate("p1", 10.0) == pytest.approx(200.0)
+    assert rate.rate("p1", 15.0) == pytest.approx(100.0)  # half have left the window
+    assert rate.rate("p1", 30.0) == 0.0
+    rate.add("p1", 31.0, weight=50.0)
+    assert rate.rate("p1", 31.0) == pytest.approx(5.0)  # nothing of the old ones is left in the sum
+
+
+def test_the_oldest_placement_past_the_cap_leaves_the_sum_too():
+    rate = ArrivalRate(window_s=1000.0)
+    for i in range(MAX_KEPT + 10):
+        rate.add("d1", float(i), weight=1.0 if i < 10 else 2.0)
+    assert rate.rate("d1", float(MAX_KEPT + 10)) == pytest.approx(2.0 * MAX_KEPT / 1000.0)
+
+
+def test_the_view_counts_the_prompt_tokens_placed_to_be_computed_on_a_replica():
+    from router.cluster_view import ClusterView, ReplicaInfo
+    from router.placement import Placement
+    from router.policy import RouteDecision
+
+    view = ClusterView(16, 8)
+    d1, p1 = ReplicaInfo("d1", "decode"), ReplicaInfo("p1", "prefill")
+    view.update([d1, p1])
+    for i in range(20):  # odd ones prefill remotely on p1, even ones locally on d1
+        remote = bool(i % 2)
+        view.begin(Placement("decode", "d1", "p1" if remote else None,
+                             RouteDecision("disagg" if remote else "local", "slo-local"), 0,
+                             prefill_on="p1" if remote else "d1", prefill_tokens=1000 if remote else 100,
+                             prefill_work=7 if remote else 3, placed_at=float(i)))
+    at_p1, at_d1 = view.load_of(p1, now=20.0), view.load_of(d1, now=20.0)
+    assert at_p1.prompt_token_rate == pytest.approx(500.0) and at_p1.prompt_work_rate == pytest.approx(3.5)
+    assert at_d1.prompt_token_rate == pytest.approx(50.0) and at_d1.prompt_work_rate == pytest.approx(1.5)
+    assert view.load_of(p1).prompt_token_rate == 0.0  # without the policy's clock: no rate
+
+
+def test_a_stream_where_prompts_keep_arriving_waits_for_their_chunks():
+    quiet = replica("p1", "prefill")
+    busy = dataclasses.replace(quiet, prompt_token_rate=5000.0)  # half its time at 0.1 ms a token
+    assert predict.prompt_share(quiet) == 0.0 and predict.prompt_share(busy) == pytest.approx(0.5)
+    assert predict.expected_gap_s(busy, 1, 100) == pytest.approx(2.0 * predict.expected_gap_s(quiet, 1, 100))
+    saturated = dataclasses.replace(quiet, prompt_token_rate=1e9)
+    assert predict.prompt_share(saturated) == predict.MAX_PROMPT_SHARE
+    # streams that saw gaps lately: those gaps already count the prompts that arrived beside them
+    seen = dataclasses.replace(busy, num_streams=1, stream_context=100, recent_gap_s=0.02)
+    assert predict.expected_gap_s(seen) == pytest.approx(
+        predict.NOW_WEIGHT * predict.decode_step_s(seen) + (1 - predict.NOW_WEIGHT) * 0.02)
+
+
+def test_a_request_is_not_run_whole_where_remote_prefills_keep_arriving():
+    """The decode replica's long queue makes local slow; an idle prefill replica runs the
+    request whole while nothing else is sent there, but not when remote prefills arrive
+    at 90% of its time: its gaps would be ten times a decode step."""
+    slo = SLO(ttft_ms=4000, tpot_ms=20)
+    decode = replica("d1", queue_tokens=20_000)
+
+    def route(prompt_rate: float) -> str:
+        p1 = replica("p1", "prefill", prompt_token_rate=prompt_rate)
+        return decide(ctx(slo=slo, decode=decode, prefills=(p1,), whole=p1, whole_cached_tokens=0)).candidate.kind
+
+    assert COEFFS.prefill_token_s * 9000.0 == pytest.approx(0.9)
+    assert route(0.0) == "whole"
+    assert route(9000.0) != "whole"
