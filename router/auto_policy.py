@@ -48,7 +48,7 @@ import zlib
 from dataclasses import dataclass
 
 from router import predict
-from router.corrections import EMPTY, LearnedState
+from router.corrections import EMPTY, STREAMS, LearnedState
 from router.policy import Alternative, RouteContext, RouteDecision, RoutingPolicy
 from router.predict import Candidate, Prediction
 from router.queue_drain import drain
@@ -101,11 +101,15 @@ def stream_slo_s(ctx: RouteContext, floor_s: float = 0.0) -> tuple[float, int]:
 def corrected(candidate: Candidate, state: LearnedState, now: float) -> Prediction:
     """The raw prediction rescaled by what this router measured of the route on these
     replicas (of background prefills, for one: `Candidate.learned_as`), and by how late
-    the route's oldest prompt there still waiting already is."""
+    the route's oldest prompt there still waiting already is; the streams beside it by
+    what it measured of every stream on the decode replica (`corrections.STREAMS`)."""
     learned_as = candidate.learned_as
     ttft = state.factor("ttft", learned_as, candidate.prefill_replica, now)
     tpot = state.factor("tpot", learned_as, candidate.decode_replica, now)
-    return candidate.prediction.scaled(ttft, tpot, candidate.overdue_x)
+    streams = state.factor("tpot", STREAMS, candidate.decode_replica, now)
+    if candidate.kind == "background":  # slower, never faster, than any stream there: see corrections.py
+        streams = max(streams, tpot)
+    return candidate.prediction.scaled(ttft, tpot, candidate.overdue_x, streams)
 
 
 def score(ctx: RouteContext, candidate: Candidate, prediction: Prediction, state: LearnedState = EMPTY,
@@ -141,10 +145,10 @@ def score(ctx: RouteContext, candidate: Candidate, prediction: Prediction, state
 def _streams_objective(ctx: RouteContext, candidate: Candidate, state: LearnedState,
                        now: float) -> tuple[float, int]:
     """`stream_slo_s` as this candidate's corrected predictions see the streams: past reach
-    below the gap they would see with nothing added, rescaled as its TPOT is."""
+    below the gap they would see with nothing added, rescaled as the streams' TPOT is."""
     if not candidate.num_streams or ctx.decode is None:
         return math.inf, 0
-    floor = predict.expected_gap_s(ctx.decode) * state.factor("tpot", candidate.route, candidate.decode_replica, now)
+    floor = predict.expected_gap_s(ctx.decode) * state.factor("tpot", STREAMS, candidate.decode_replica, now)
     return stream_slo_s(ctx, floor)
 
 

@@ -8,7 +8,18 @@ more tokens). A correction factor (measured / predicted, smoothed on the log sca
 then rescales later predictions for that replica and route, so a slow prefill pool, a
 slow network or a cold transfer path shows up in the predictions within a few requests.
 Background prefills keep factors of their own (`Candidate.learned_as`): a foreground
-one's errors say little about theirs.
+one's errors say little about theirs. The streams decoding beside a candidate are
+corrected by one more TPOT factor per replica, learned from every TPOT outcome there
+whatever its route (`STREAMS`): they are the same streams whichever way the new prompt
+runs, so every candidate on that replica rescales them alike. Rescaled by the candidate's
+own factor instead, one background prefill's last outcome or two could make the streams
+beside a short prompt look 35% faster in the background than in the foreground, where
+the arithmetic prices both the same, and short prompts queued in the background lane.
+Beside a background prefill, though, the streams take its own factor where that is the
+larger: its chunks hold the replica for seconds while streams keep arriving, and its
+streams then err as it does (scaled by the foreground prompts' factor of 0.53, the
+streams beside a 1,496-token background prefill were predicted at 30 ms a token and ran
+at 62-68).
 
 A TTFT factor rescales only what the step models priced, not the KV transfer tail: the
 link has its own fit, which follows a changed link within a few transfers. A factor
@@ -56,6 +67,7 @@ MAX_RATIO = 8.0  # one measurement counts as at most this ratio either way
 HALF_LIFE_S = 60.0
 RESIDUALS = 128  # per metric and route: the recent measured / corrected ratios kept
 MIN_RESIDUALS = 16  # fewer: a prediction is taken as exact
+STREAMS = "streams"  # the TPOT key learned from every route's outcomes on a replica
 
 
 @dataclass(frozen=True)
@@ -149,8 +161,9 @@ class Corrections:
         self._update(("ttft", outcome.key, outcome.prefill_replica), outcome.predicted_ttft_s - tail,
                      outcome.measured_ttft_s - tail, now)
         if outcome.predicted_tpot_s is not None and outcome.measured_tpot_s is not None:
-            self._update(("tpot", outcome.key, outcome.decode_replica), outcome.predicted_tpot_s,
-                         outcome.measured_tpot_s, now)
+            for key in (outcome.key, STREAMS):
+                self._update(("tpot", key, outcome.decode_replica), outcome.predicted_tpot_s,
+                             outcome.measured_tpot_s, now)
         self._last_seen[outcome.route] = now
         self._snapshot = None
 

@@ -78,11 +78,13 @@ class Prediction:
     streams_tpot_s: float = 0.0  # the streams already decoding beside it (0: none)
     transfer_s: float = 0.0  # the part of `ttft_s` that is the KV's exposed transfer tail
 
-    def scaled(self, ttft: float, tpot: float, overdue: float = 1.0) -> Prediction:
+    def scaled(self, ttft: float, tpot: float, overdue: float = 1.0, streams: float | None = None) -> Prediction:
         """`ttft` rescales what the step models priced (the link's cost has its own fit,
-        which follows a changed link by itself); `overdue` the whole TTFT."""
+        which follows a changed link by itself); `overdue` the whole TTFT; `streams` the
+        streams' TPOT (default: as `tpot`)."""
         ttft_s = scale_ttft(self.ttft_s, self.transfer_s, ttft) * overdue
-        return Prediction(ttft_s, self.tpot_s * tpot, self.streams_tpot_s * tpot, self.transfer_s * overdue)
+        streams_tpot_s = self.streams_tpot_s * (tpot if streams is None else streams)
+        return Prediction(ttft_s, self.tpot_s * tpot, streams_tpot_s, self.transfer_s * overdue)
 
 
 def scale_ttft(ttft_s: float, transfer_s: float, factor: float) -> float:
