@@ -82,6 +82,8 @@ class ClusterView:
         self.inflight: Counter[str] = Counter()
         self.backlog: Counter[str] = Counter()  # prompt tokens waiting for a first token
         self.awaiting_first: Counter[str] = Counter()  # target replica, before the first token
+        # prefill replica: the remote prefills it computes for another replica, until done (not streams)
+        self.prefilling: Counter[str] = Counter()
         # decode replica: sequences prefilling elsewhere that will decode there, and their context
         # target replica -> the requests prefilling elsewhere that will decode there
         self.incoming: dict[str, dict[int, Placement]] = {}
@@ -255,13 +257,15 @@ class ClusterView:
     def num_streams(self, replica: ReplicaInfo) -> int:
         """Sequences this router has past their first token on `replica`."""
         rid = replica.replica_id
-        return max(0, self.inflight.get(rid, 0) - self.awaiting_first.get(rid, 0))
+        return max(0, self.inflight.get(rid, 0) - self.awaiting_first.get(rid, 0) - self.prefilling.get(rid, 0))
 
     # In-flight bookkeeping of one placed request: begin, first_token/prefill_done, end.
     def begin(self, placement: Placement) -> None:
         for replica_id, num_seqs in _touched(placement):
             self.inflight[replica_id] += num_seqs
             self.index.insert(replica_id, placement.hashes)  # a prefill replica caches the prompt too
+        if _remote_prefill_on(placement):
+            self.prefilling[placement.prefill_replica] += 1
         if placement.prefill_on and placement.decision.prediction is not None:
             key = (placement.decision.route, placement.prefill_on)
             self.waiting.setdefault(key, deque()).append(placement)
@@ -287,6 +291,8 @@ class ClusterView:
 
     def end(self, placement: Placement) -> None:
         self.first_token(placement)
+        if _remote_prefill_on(placement) and not placement.ended:
+            _decrement(self.prefilling, placement.prefill_replica)
         for replica_id, num_seqs in _touched(placement):
             _decrement(self.inflight, replica_id, num_seqs)
         if placement.target_replica and placement.tpot_slo_s and not placement.ended:
@@ -306,6 +312,8 @@ class ClusterView:
             placement.first_token_at, placement.tokens_back = now, num_tokens
         self.first_token(placement)
         if placement.prefill_replica and not placement.prefill_released:
+            if _remote_prefill_on(placement) and not placement.ended:
+                _decrement(self.prefilling, placement.prefill_replica)
             placement.prefill_released = True
             _decrement(self.inflight, placement.prefill_replica)
 
@@ -374,6 +382,12 @@ class _Since:
 
 def _prefills_elsewhere(placement: Placement) -> bool:
     return placement.prefill_on is not None and placement.prefill_on != placement.target_replica
+
+
+def _remote_prefill_on(placement: Placement) -> bool:
+    """Its prompt is still being computed on a prefill replica for another replica."""
+    return bool(placement.prefill_replica) and not placement.prefill_released and \
+        placement.prefill_replica != placement.target_replica
 
 
 def _touched(placement: Placement) -> list[tuple[str, int]]:
