@@ -13,8 +13,7 @@ waiting on the same route and replica is (`ReplicaLoad.overdue`):
 
 A candidate meets the SLO when its TTFT and this request's TPOT meet the workload's and
 the TPOT the streams beside it will see meets theirs: what the tightest of them still in
-reach can afford. The streams beside a candidate are those where it decodes and, for a
-remote prefill on a replica that also runs requests whole, that replica's own. A stream that would miss its objective even with nothing added beside
+reach can afford. A stream that would miss its objective even with nothing added beside
 it (it needs a smaller gap than the replica's expected one) is past reach: it neither
 sets the others' objective (one such stream made every route look as if it broke all of
 them, and sized background chunks at one token) nor counts as lost to any route. The
@@ -53,7 +52,6 @@ from router.corrections import EMPTY, STREAMS, LearnedState
 from router.policy import Alternative, RouteContext, RouteDecision, RoutingPolicy
 from router.predict import Candidate, Prediction
 from router.queue_drain import drain
-from router.replica_load import ReplicaLoad
 
 EXPLORE_BUCKETS = 10_000
 REASON_BY_KIND = {"remote": "slo-disagg", "local": "slo-local", "background": "protect-streams",
@@ -77,7 +75,7 @@ def candidates(ctx: RouteContext) -> list[Candidate]:
     req, d = ctx.shape, ctx.decode
     d_queue = drain(d)  # priced once: every candidate looks at it
     out = [predict.local(req, d, ctx.num_cached_tokens, d_queue)]
-    slow = predict.background(req, d, ctx.num_cached_tokens, stream_slo_s(ctx, d, predict.expected_gap_s(d))[0],
+    slow = predict.background(req, d, ctx.num_cached_tokens, stream_slo_s(ctx, predict.expected_gap_s(d))[0],
                               d_queue)
     if slow is not None:
         out.append(slow)
@@ -89,15 +87,15 @@ def candidates(ctx: RouteContext) -> list[Candidate]:
     return out
 
 
-def stream_slo_s(ctx: RouteContext, replica: ReplicaLoad | None, floor_s: float = 0.0) -> tuple[float, int]:
-    """The mean gap the streams on `replica` still in reach can afford, and how many are
-    past reach (`predict.stream_objective_s`: those that need less than `floor_s`, the
-    gap they see with nothing added); this workload's TPOT objective where no stream's
+def stream_slo_s(ctx: RouteContext, floor_s: float = 0.0) -> tuple[float, int]:
+    """The mean gap the streams on the decode replica still in reach can afford, and how
+    many are past reach (`predict.stream_objective_s`: those that need less than `floor_s`,
+    the gap they see with nothing added); this workload's TPOT objective where no stream's
     allowance is known."""
     default = ctx.slo.tpot_ms / 1000.0
-    if replica is None:
+    if ctx.decode is None:
         return default, 0
-    return predict.stream_objective_s(replica, default, floor_s)
+    return predict.stream_objective_s(ctx.decode, default, floor_s)
 
 
 def corrected(candidate: Candidate, state: LearnedState, now: float) -> Prediction:
@@ -111,73 +109,47 @@ def corrected(candidate: Candidate, state: LearnedState, now: float) -> Predicti
     streams = state.factor("tpot", STREAMS, candidate.decode_replica, now)
     if candidate.kind == "background":  # slower, never faster, than any stream there: see corrections.py
         streams = max(streams, tpot)
-    on_prefill = state.factor("tpot", STREAMS, candidate.prefill_replica, now) if candidate.prefill_streams else None
-    return candidate.prediction.scaled(ttft, tpot, candidate.overdue_x, streams, on_prefill)
-
-
-@dataclass(frozen=True)
-class Beside:
-    """One replica's streams as a candidate affects them."""
-
-    at_stake: int  # streams still in reach of their objective
-    tpot_s: float  # the mean gap the candidate's corrected prediction gives them
-    objective_s: float  # what the tightest of them in reach can afford
-    route: str  # whose TPOT outcomes calibrate the chance of missing it
-    joining: float = 0.0  # requests expected to start decoding beside them meanwhile
+    return candidate.prediction.scaled(ttft, tpot, candidate.overdue_x, streams)
 
 
 def score(ctx: RouteContext, candidate: Candidate, prediction: Prediction, state: LearnedState = EMPTY,
           now: float = 0.0) -> Scored:
     slo_ttft, slo_tpot = ctx.slo.ttft_ms / 1000.0, ctx.slo.tpot_ms / 1000.0
     route = candidate.route
+    slo_streams, past_reach = _streams_objective(ctx, candidate, state, now)
     ratios = [prediction.ttft_s / slo_ttft]
     own = _chance(state, "ttft", route, prediction.ttft_s, slo_ttft, now)
     if ctx.max_tokens >= 2:
         ratios.append(prediction.tpot_s / slo_tpot)
         own *= _chance(state, "tpot", route, prediction.tpot_s, slo_tpot, now)
-    weights = [1.0] * len(ratios)
-    meets = all(r <= 1.0 for r in ratios)
-    own_loss = (1.0 - own) * (1.0 + OVERLOAD_WEIGHT * min(max(ratios[0] - 1.0, 0.0), OVERLOAD_CAP))
+    own_meets = all(r <= 1.0 for r in ratios)
+    at_stake = max(0, candidate.num_streams - past_reach)  # the streams this route can still cost
+    streams_ratio = prediction.streams_tpot_s / slo_streams if at_stake else 0.0
     streams_loss = 0.0
-    for group in beside(ctx, candidate, prediction, state, now):
-        ratio = group.tpot_s / group.objective_s
-        chance = state.chance_within("tpot", group.route, group.tpot_s, group.objective_s, now)
-        miss = min(1.0, max(0.0, ratio - 1.0)) if chance is None else 1.0 - chance
-        streams_loss += group.at_stake * miss
-        meets = meets and ratio <= 1.0
-        # the streams' margin counts for those decoding there now and those expected to
-        # join while its chunks slow that replica's steps
-        ratios.append(ratio)
-        weights.append(group.at_stake + group.joining)
+    if at_stake:
+        ratios.append(streams_ratio)
+        chance = state.chance_within("tpot", route, prediction.streams_tpot_s, slo_streams, now)
+        miss = min(1.0, max(0.0, streams_ratio - 1.0)) if chance is None else 1.0 - chance
+        streams_loss = at_stake * miss
+    meets = own_meets and streams_ratio <= 1.0
+    own_loss = (1.0 - own) * (1.0 + OVERLOAD_WEIGHT * min(max(ratios[0] - 1.0, 0.0), OVERLOAD_CAP))
+    # the streams' margin counts for those decoding there now and those expected to join
+    # while its chunks slow that replica's steps
+    weights = [1.0] * (len(ratios) - 1 if at_stake else len(ratios)) + (
+        [at_stake + candidate.joining_streams] if at_stake else [])
     risk = sum(w * _at_risk(1.0 - r) for w, r in zip(weights, ratios, strict=True))
     return Scored(candidate, prediction, meets, tuple(sorted(1.0 - r for r in ratios)), own_loss + streams_loss,
                   risk)
 
 
-def beside(ctx: RouteContext, candidate: Candidate, prediction: Prediction, state: LearnedState,
-           now: float) -> list[Beside]:
-    """The streams the candidate can still cost, by replica: where it decodes, and a
-    remote prefill's replica's own (the requests it runs whole). Each group is held to
-    `stream_slo_s` as the candidate's corrected predictions see it: past reach below the
-    gap its streams would see with nothing added, rescaled as the streams' TPOT is."""
-    groups = []
-    if candidate.num_streams and ctx.decode is not None:
-        groups.append(_group(ctx, ctx.decode, candidate.num_streams, prediction.streams_tpot_s, candidate.route,
-                             state, now, candidate.joining_streams))
-    if candidate.prefill_streams:
-        there = next((p for p in ctx.prefills if p.replica_id == candidate.prefill_replica), None)
-        if there is not None:
-            groups.append(_group(ctx, there, candidate.prefill_streams, prediction.prefill_streams_tpot_s, "local",
-                                 state, now))
-    return [g for g in groups if g is not None]
-
-
-def _group(ctx: RouteContext, replica: ReplicaLoad, num_streams: int, tpot_s: float, route: str,
-           state: LearnedState, now: float, joining: float = 0.0) -> Beside | None:
-    floor = predict.expected_gap_s(replica) * state.factor("tpot", STREAMS, replica.replica_id, now)
-    objective, past_reach = stream_slo_s(ctx, replica, floor)
-    at_stake = max(0, num_streams - past_reach)
-    return Beside(at_stake, tpot_s, objective, route, joining) if at_stake else None
+def _streams_objective(ctx: RouteContext, candidate: Candidate, state: LearnedState,
+                       now: float) -> tuple[float, int]:
+    """`stream_slo_s` as this candidate's corrected predictions see the streams: past reach
+    below the gap they would see with nothing added, rescaled as the streams' TPOT is."""
+    if not candidate.num_streams or ctx.decode is None:
+        return math.inf, 0
+    floor = predict.expected_gap_s(ctx.decode) * state.factor("tpot", STREAMS, candidate.decode_replica, now)
+    return stream_slo_s(ctx, floor)
 
 
 def _at_risk(slack: float) -> float:

@@ -27,9 +27,6 @@ candidate:
 - `whole`: the request runs, prefill and decode, on an idle prefill replica, its gaps
   stretched by the remote prefills that keep arriving there (`prompt_share`).
 
-A prefill replica that runs requests whole has streams of its own: a `remote` prefill
-there slows them too (`Prediction.prefill_streams_tpot_s`).
-
 A stream's TPOT is its mean gap over the tokens it has left, so the prediction for the
 streams beside a prefill averages the slower mixed steps into the rest of their life,
 and it is held to what the tightest of them still in reach can afford
@@ -80,18 +77,14 @@ class Prediction:
     tpot_s: float  # this request's mean gap after its first token
     streams_tpot_s: float = 0.0  # the streams already decoding beside it (0: none)
     transfer_s: float = 0.0  # the part of `ttft_s` that is the KV's exposed transfer tail
-    # `remote`: the streams of the requests the prefill replica runs whole, beside its prefill
-    prefill_streams_tpot_s: float = 0.0
 
-    def scaled(self, ttft: float, tpot: float, overdue: float = 1.0, streams: float | None = None,
-               prefill_streams: float | None = None) -> Prediction:
+    def scaled(self, ttft: float, tpot: float, overdue: float = 1.0, streams: float | None = None) -> Prediction:
         """`ttft` rescales what the step models priced (the link's cost has its own fit,
-        which follows a changed link by itself); `overdue` the whole TTFT; `streams` and
-        `prefill_streams` the streams' TPOT on either replica (default: as `tpot`)."""
+        which follows a changed link by itself); `overdue` the whole TTFT; `streams` the
+        streams' TPOT (default: as `tpot`)."""
         ttft_s = scale_ttft(self.ttft_s, self.transfer_s, ttft) * overdue
         streams_tpot_s = self.streams_tpot_s * (tpot if streams is None else streams)
-        on_prefill = self.prefill_streams_tpot_s * (tpot if prefill_streams is None else prefill_streams)
-        return Prediction(ttft_s, self.tpot_s * tpot, streams_tpot_s, self.transfer_s * overdue, on_prefill)
+        return Prediction(ttft_s, self.tpot_s * tpot, streams_tpot_s, self.transfer_s * overdue)
 
 
 def scale_ttft(ttft_s: float, transfer_s: float, factor: float) -> float:
@@ -107,7 +100,6 @@ class Candidate:
     prediction: Prediction
     chunk_tokens: int | None = None  # `background`: the prompt tokens per decoding step
     num_streams: int = 0  # the streams beside it
-    prefill_streams: int = 0  # `remote`: the streams on its prefill replica, beside its prefill
     overdue_x: float = 1.0  # the prefill replica's `ReplicaLoad.overdue` on this route (a correction)
     # requests expected to start decoding beside it while its chunks slow the decode replica's steps
     joining_streams: float = 0.0
@@ -157,13 +149,12 @@ def expected_gap_s(r: ReplicaLoad, extra_seqs: float = 0.0, extra_context: float
     its streams (plus `extra_*`) take now, blended with the gap its streams saw lately,
     which counts the streams and prompts that kept arriving beside them (a request's TPOT
     averages over tens of steps; the state at one moment predicts it worse than the
-    replica's recent past does), plus what the extra streams add. The step of the moment
-    is stretched by the prompts arriving there at their recent pace (`prompt_share`): a
-    stream waits for their chunks, and where its streams saw no gaps lately (a prefill
-    replica, or any replica as the load begins) nothing else says so."""
-    now = decode_step_s(r, extra_seqs, extra_context) / (1.0 - prompt_share(r))
+    replica's recent past does), plus what the extra streams add. Where its streams saw
+    no gaps lately (a prefill replica), the decode step stretched by the prompts arriving
+    there (`prompt_share`)."""
+    now = decode_step_s(r, extra_seqs, extra_context)
     if r.recent_gap_s is None:
-        return now
+        return now / (1.0 - prompt_share(r))
     c = r.coefficients
     recent = r.recent_gap_s + c.decode_seq_s * extra_seqs + c.decode_context_s * extra_context
     return NOW_WEIGHT * now + (1.0 - NOW_WEIGHT) * recent
@@ -242,9 +233,8 @@ def remote(req: RequestShape, p: ReplicaLoad, d: ReplicaLoad, prefill_cached: in
         slowed = prefill.seconds / gap if gap > 0 else 0.0
         busy_steps, busy_s = busy_steps + slowed, busy_s + slowed * gap
     streams = _streams_tpot(d, busy_steps, busy_s / busy_steps if busy_steps else 0.0, _gap_with(req, d))
-    on_p = _streams_tpot(p, prefill.busy_steps, prefill.step_s, expected_gap_s(p))
-    return Candidate("remote", d.replica_id, p.replica_id, Prediction(ttft, tpot, streams, tail, on_p),
-                     num_streams=d.num_streams, prefill_streams=p.num_streams,
+    return Candidate("remote", d.replica_id, p.replica_id, Prediction(ttft, tpot, streams, tail),
+                     num_streams=d.num_streams,
                      overdue_x=p.overdue.get("disagg", 1.0))
 
 
