@@ -27,61 +27,36 @@ WINDOW_S = 10.0
 MAX_KEPT = 512  # placements kept per replica: 50/s over the window
 
 
-class WindowRates:
-    """Per replica, the placements of the last `window_s`, each with `num_weights`
-    weights, and the sum of each weight per second over that window (one pass per
-    query for all of them: the router reads them per candidate replica per request)."""
+class ArrivalRate:
+    """Per replica, the placements of the last `window_s` and their weights (1 each by
+    default: requests; prompt tokens where the caller weighs them so)."""
 
-    def __init__(self, num_weights: int, window_s: float = WINDOW_S) -> None:
-        self.num_weights, self.window_s = num_weights, window_s
-        self._entries: dict[str, deque[tuple[float, ...]]] = {}  # (at, *weights), oldest first
-        self._sums: dict[str, list[float]] = {}
+    def __init__(self, window_s: float = WINDOW_S) -> None:
+        self.window_s = window_s
+        self._times: dict[str, deque[tuple[float, float]]] = {}
+        self._sums: dict[str, float] = {}
 
-    def add(self, replica_id: str, at: float, weights: tuple[float, ...]) -> None:
+    def add(self, replica_id: str, at: float, weight: float = 1.0) -> None:
         """A placement at `at` (the policy's clock) on `replica_id`."""
-        entries = self._entries.setdefault(replica_id, deque())
-        sums = self._sums.setdefault(replica_id, [0.0] * self.num_weights)
-        if len(entries) == MAX_KEPT:
-            self._drop(entries.popleft(), sums)
-        entries.append((at, *weights))
-        for i, w in enumerate(weights):
-            sums[i] += w
+        times = self._times.setdefault(replica_id, deque())
+        if len(times) == MAX_KEPT:
+            self._sums[replica_id] -= times.popleft()[1]
+        times.append((at, weight))
+        self._sums[replica_id] = self._sums.get(replica_id, 0.0) + weight
 
-    def rates(self, replica_id: str, now: float) -> tuple[float, ...]:
-        """Each weight per second placed there over the last `window_s`."""
-        entries = self._entries.get(replica_id)
-        if not entries:
-            return (0.0,) * self.num_weights
-        sums = self._sums[replica_id]
-        cutoff = now - self.window_s
-        if entries[0][0] < cutoff:
-            while entries and entries[0][0] < cutoff:
-                self._drop(entries.popleft(), sums)
-            if not entries:
-                sums[:] = [0.0] * self.num_weights  # no drift from float sums once empty
-        window = self.window_s
-        return tuple([total / window if total > 0.0 else 0.0 for total in sums])
-
-    @staticmethod
-    def _drop(entry: tuple[float, ...], sums: list[float]) -> None:
-        for i, w in enumerate(entry[1:]):
-            sums[i] -= w
+    def rate(self, replica_id: str, now: float) -> float:
+        """Weight per second placed there over the last `window_s`."""
+        times = self._times.get(replica_id)
+        if not times:
+            return 0.0
+        total = self._sums[replica_id]
+        while times and times[0][0] < now - self.window_s:
+            total -= times.popleft()[1]
+        self._sums[replica_id] = total if times else 0.0
+        return max(total, 0.0) / self.window_s
 
     def forget(self, replica_ids: set[str]) -> None:
         """Drop the replicas not in `replica_ids` (gone from the cluster)."""
-        for gone in set(self._entries) - replica_ids:
-            del self._entries[gone]
+        for gone in set(self._times) - replica_ids:
+            del self._times[gone]
             self._sums.pop(gone, None)
-
-
-class ArrivalRate(WindowRates):
-    """One weight a placement (1 by default: requests)."""
-
-    def __init__(self, window_s: float = WINDOW_S) -> None:
-        super().__init__(1, window_s)
-
-    def add(self, replica_id: str, at: float, weight: float = 1.0) -> None:  # type: ignore[override]
-        super().add(replica_id, at, (weight,))
-
-    def rate(self, replica_id: str, now: float) -> float:
-        return self.rates(replica_id, now)[0]

@@ -17,9 +17,8 @@ reach can afford. A stream that would miss its objective even with nothing added
 it (it needs a smaller gap than the replica's expected one) is past reach: it neither
 sets the others' objective (one such stream made every route look as if it broke all of
 them, and sized background chunks at one token) nor counts as lost to any route. The
-candidate that loses the least expected goodput wins (this request, each stream beside
-it, and the requests expected to arrive behind its foreground chunks and miss their TTFT
-for it, `Candidate.pushed_past`); of equal ones, the one least at risk should the predictions be off: the sum,
+candidate that loses the least expected goodput wins (this request, plus each stream
+beside it); of equal ones, the one least at risk should the predictions be off: the sum,
 over every request it touches (this request's TTFT and TPOT, and each stream beside it,
 including those expected to join while the candidate's prompt chunks slow that replica,
 `Candidate.joining_streams`), of exp(-slack / SLACK_SCALE), a slack fraction being 1 -
@@ -139,8 +138,8 @@ def score(ctx: RouteContext, candidate: Candidate, prediction: Prediction, state
     weights = [1.0] * (len(ratios) - 1 if at_stake else len(ratios)) + (
         [at_stake + candidate.joining_streams] if at_stake else [])
     risk = sum(w * _at_risk(1.0 - r) for w, r in zip(weights, ratios, strict=True))
-    return Scored(candidate, prediction, meets, tuple(sorted(1.0 - r for r in ratios)),
-                  own_loss + streams_loss + candidate.pushed_past, risk)
+    return Scored(candidate, prediction, meets, tuple(sorted(1.0 - r for r in ratios)), own_loss + streams_loss,
+                  risk)
 
 
 def _streams_objective(ctx: RouteContext, candidate: Candidate, state: LearnedState,

@@ -31,7 +31,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from router.arrival_rate import ArrivalRate, WindowRates
+from router.arrival_rate import ArrivalRate
 from router.prefix_index import PrefixIndex
 from router.replica_load import DEFAULT_CHUNK_TOKENS, ReplicaLoad, from_stats
 
@@ -72,9 +72,6 @@ class ReplicaInfo:
         return int(self.stats.get("num_waiting", 0))
 
 
-_NO_RATES = (0.0, 0.0, 0.0, 0.0)
-
-
 class ClusterView:
     """The replicas from the last heartbeats, plus this router's requests on each since."""
 
@@ -108,9 +105,7 @@ class ClusterView:
         self.nodes: dict[str, list[ReplicaInfo]] = {}  # node id -> its healthy replicas (known ids only)
         self.arrivals = ArrivalRate()  # per replica: the requests this router placed to decode there lately
         # per replica: the prompt tokens (and their attention work) it placed to be computed there lately
-        # per replica: the prompts this router placed to be computed there lately, weighted by
-        # (prompt tokens, attention work, 1 and 1 / TTFT objective where it has one)
-        self.prompts = WindowRates(4)
+        self.prompt_arrivals, self.prompt_work_arrivals = ArrivalRate(), ArrivalRate()
 
     def update(self, replicas: list[ReplicaInfo]) -> None:
         old = self.replicas
@@ -124,8 +119,8 @@ class ClusterView:
             del self.waiting[key]
         self.excluded.clear()
         self.index.retain(self.replicas)
-        self.arrivals.forget(set(self.replicas))
-        self.prompts.forget(set(self.replicas))
+        for rate in (self.arrivals, self.prompt_arrivals, self.prompt_work_arrivals):
+            rate.forget(set(self.replicas))
         self._heartbeat_loads.clear()
         self.nodes = {}
         for r in replicas:
@@ -145,8 +140,6 @@ class ClusterView:
         allowances = self.stream_allowances(rid, now)
         queued = self.queued_here(rid)
         node_busy = float(self.node_busy(replica)) if base.coefficients.node_contention > 0 else 0.0
-        # the prompts placed to be computed there: tokens, attention work, count, sum of 1 / TTFT objective
-        tokens, work, placed, urgency = self.prompts.rates(rid, now) if now is not None else _NO_RATES
         return base.evolve(
             coefficients=base.coefficients.slowed(node_busy),
             queue_tokens=max(self.backlog.get(rid, 0), base.queue_tokens + since.sent_tokens - since.done_tokens),
@@ -160,8 +153,8 @@ class ClusterView:
             queued_tokens_left=queued[2] / queued[0] if queued[0] else 0.0,
             overdue=self.overdue_of(rid, now) if now is not None else {},
             arrival_rate=self.arrivals.rate(rid, now) if now is not None else 0.0,
-            prompt_token_rate=tokens, prompt_work_rate=work, prefill_rate=placed,
-            prefill_ttft_slo_s=placed / urgency if urgency > 0 else 0.0,
+            prompt_token_rate=self.prompt_arrivals.rate(rid, now) if now is not None else 0.0,
+            prompt_work_rate=self.prompt_work_arrivals.rate(rid, now) if now is not None else 0.0,
             node_id=replica.node_id, node_busy=node_busy)
 
     def stream_allowances(self, replica_id: str, now: float | None) -> tuple[float, ...]:
@@ -280,10 +273,8 @@ class ClusterView:
             self.backlog[placement.prefill_on] += placement.prefill_tokens
             self.backlog_work[placement.prefill_on] += placement.prefill_work
             self._since(placement.prefill_on).sent(placement.prefill_tokens, placement.prefill_work)
-            slo = placement.ttft_slo_s
-            self.prompts.add(placement.prefill_on, placement.placed_at,
-                             (placement.prefill_tokens, placement.prefill_work, 1.0 if slo else 0.0,
-                              1.0 / slo if slo else 0.0))
+            self.prompt_arrivals.add(placement.prefill_on, placement.placed_at, placement.prefill_tokens)
+            self.prompt_work_arrivals.add(placement.prefill_on, placement.placed_at, placement.prefill_work)
             if placement.decision.yield_prefill:
                 self.background_backlog[placement.prefill_on] += placement.prefill_tokens
                 self.background_backlog_work[placement.prefill_on] += placement.prefill_work

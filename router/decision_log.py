@@ -66,8 +66,7 @@ def _load(r: ReplicaLoad) -> dict[str, Any]:
             "stream_allowances_ms": [round(a * 1e3, 3) for a in r.stream_allowances],
             "recent_gap_ms": _ms(r.recent_gap_s),
             "node_busy": r.node_busy, "arrival_rate": round(r.arrival_rate, 3),
-            "prompt_token_rate": round(r.prompt_token_rate, 1), "prefill_rate": round(r.prefill_rate, 3),
-            "prefill_ttft_slo_ms": _ms(r.prefill_ttft_slo_s or None)}
+            "prompt_token_rate": round(r.prompt_token_rate, 1)}
 
 
 def _alternative(a: Alternative) -> dict[str, Any]:
@@ -75,8 +74,7 @@ def _alternative(a: Alternative) -> dict[str, Any]:
     return {"kind": c.kind, "decode_replica": c.decode_replica, "prefill_replica": c.prefill_replica,
             "chunk_tokens": c.chunk_tokens, "ttft_ms": _ms(p.ttft_s), "tpot_ms": _ms(p.tpot_s),
             "streams_tpot_ms": _ms(p.streams_tpot_s), "streams": c.num_streams, "meets": a.meets,
-            "loss": round(a.loss, 4), "joining_streams": round(c.joining_streams, 3),
-            "pushed_past": round(c.pushed_past, 3)}
+            "loss": round(a.loss, 4), "joining_streams": round(c.joining_streams, 3)}
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -62,7 +62,6 @@ class Placement:
     num_sequences: int = 1  # streams it decodes on `target_replica` (n / best_of)
     prefill_work: int = 0  # the attention work of those prompt tokens (router/predict.py)
     tpot_slo_s: float | None = None  # its workload's TPOT objective (the streams' objective there)
-    ttft_slo_s: float | None = None  # its workload's TTFT objective
     ended: bool = False  # `ClusterView.end` ran: its streams no longer count on `target_replica`
     prompt_len: int = 0  # its context when it starts decoding
     placed_at: float = 0.0  # the policy's clock (`PolicyInputs.now`) when it was placed
@@ -165,8 +164,7 @@ def _placed(view: ClusterView, deployment: str, target: str, prefill_replica: st
     return Placement(deployment, target, prefill_replica, decision, num_cached, hashes, prefill_on=prefill_on,
                      prefill_tokens=_uncached(prompt_ids, computed_from),
                      num_sequences=work.num_sequences, prefill_work=prefill_work(start, len(prompt_ids), chunk)[2],
-                     tpot_slo_s=inputs.slo.tpot_ms / 1000.0, ttft_slo_s=inputs.slo.ttft_ms / 1000.0,
-                     prompt_len=len(prompt_ids), placed_at=inputs.now)
+                     tpot_slo_s=inputs.slo.tpot_ms / 1000.0, prompt_len=len(prompt_ids), placed_at=inputs.now)
 
 
 def _cached(view: ClusterView, replica: ReplicaInfo, hits: list[int], prompt_ids: list[int]) -> int:

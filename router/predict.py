@@ -35,12 +35,6 @@ spread over its tokens left; one that cannot make it even with nothing added is 
 reach and sets nothing); a decode step there is the expected gap (`expected_gap_s`):
 the step of the moment blended with the gap the replica's streams saw lately.
 
-A prompt in a replica's foreground lane also holds up the prompts that arrive there
-after it: `pushed_past` counts those expected to miss their TTFT objective waiting behind
-its chunks (a background prefill leaves the foreground lane its budget). A 1,496-token
-prompt prefilled in the foreground beside five streams that had room to spare made the
-ten short requests arriving in the next 1.5 s queue behind its three chunks.
-
 Replicas of one machine share its cores and memory bandwidth: a `ReplicaLoad`'s step
 model already prices its steps beside the other replicas of its node that are busy now
 (`ReplicaLoad.node_busy`, each slowing it by the step model's `node_contention`), and a
@@ -64,9 +58,6 @@ Kind = Literal["remote", "local", "background", "whole"]
 STREAM_TPOT_MARGIN = 0.9  # a background chunk aims this far inside the streams' objective
 NOW_WEIGHT = 0.3  # of a replica's state now in a stream's expected gap; the rest is its recent past
 MAX_PROMPT_SHARE = 0.9  # of a replica's time taken by arriving prompts, as a stream's gap prices it
-# of a request's TTFT objective, what waiting behind another prompt's chunks may take
-# before it misses (the rest goes to its own prefill and to the queue it found)
-BEHIND_SLACK = 0.5
 
 
 @dataclass(frozen=True)
@@ -112,9 +103,6 @@ class Candidate:
     overdue_x: float = 1.0  # the prefill replica's `ReplicaLoad.overdue` on this route (a correction)
     # requests expected to start decoding beside it while its chunks slow the decode replica's steps
     joining_streams: float = 0.0
-    # requests expected to arrive to be computed where its prompt is, and to miss their TTFT
-    # objective waiting behind its foreground chunks (`pushed_past`)
-    pushed_past: float = 0.0
 
     @property
     def route(self) -> str:
@@ -179,17 +167,6 @@ def prompt_share(r: ReplicaLoad) -> float:
     c = r.coefficients
     share = r.prompt_token_rate * c.prefill_token_s + r.prompt_work_rate * c.prefill_attention_s
     return min(max(share, 0.0), MAX_PROMPT_SHARE)
-
-
-def pushed_past(r: ReplicaLoad, own_s: float) -> float:
-    """The requests expected to arrive to be computed on `r` while a prompt's foreground
-    chunks hold it for `own_s`, and to miss their TTFT objective for it: in arrival order,
-    one that arrives in the first `own_s - slack` of that time waits more than its slack
-    (`BEHIND_SLACK` of the harmonic mean of the objectives of the prompts placed there
-    lately) behind them."""
-    if r.prefill_rate <= 0.0 or r.prefill_ttft_slo_s <= 0.0:
-        return 0.0
-    return r.prefill_rate * max(0.0, own_s - BEHIND_SLACK * r.prefill_ttft_slo_s)
 
 
 def current_step_s(r: ReplicaLoad, queue: Drain | None = None) -> float:
@@ -258,7 +235,7 @@ def remote(req: RequestShape, p: ReplicaLoad, d: ReplicaLoad, prefill_cached: in
     streams = _streams_tpot(d, busy_steps, busy_s / busy_steps if busy_steps else 0.0, _gap_with(req, d))
     return Candidate("remote", d.replica_id, p.replica_id, Prediction(ttft, tpot, streams, tail),
                      num_streams=d.num_streams,
-                     overdue_x=p.overdue.get("disagg", 1.0), pushed_past=pushed_past(p, prefill.own_s))
+                     overdue_x=p.overdue.get("disagg", 1.0))
 
 
 def local(req: RequestShape, d: ReplicaLoad, cached: int, d_queue: Drain | None = None) -> Candidate:
@@ -278,10 +255,9 @@ def _on_decode_replica(kind: Kind, req: RequestShape, d: ReplicaLoad, prefill: D
     streams = max(_streams_tpot(d, prefill.busy_steps, prefill.step_s, after),
                   _queued_tpot(d, prefill.own_steps, prefill.own_step_s, after))
     ttft = prefill.seconds + 0.5 * current_step_s(d, d_queue)
-    behind = pushed_past(d, prefill.own_s) if chunk is None else 0.0  # a background one leaves them room
     return Candidate(kind, d.replica_id, d.replica_id, Prediction(ttft, tpot, streams), chunk,
                      num_streams=d.num_streams + d.queued_streams, overdue_x=d.overdue.get("local", 1.0),
-                     joining_streams=d.arrival_rate * prefill.own_s, pushed_past=behind)
+                     joining_streams=d.arrival_rate * prefill.own_s)
 
 
 def stream_objective_s(d: ReplicaLoad, default_s: float, floor_s: float) -> tuple[float, int]:
@@ -332,7 +308,7 @@ def whole(req: RequestShape, p: ReplicaLoad, cached: int) -> Candidate:
     tpot = _own_tpot(req, p, prefill.after_steps, prefill.after_step_s)
     ttft = prefill.seconds + 0.5 * current_step_s(p)
     return Candidate("whole", p.replica_id, p.replica_id, Prediction(ttft, tpot, 0.0),
-                     overdue_x=p.overdue.get("local", 1.0), pushed_past=pushed_past(p, prefill.own_s))
+                     overdue_x=p.overdue.get("local", 1.0))
 
 
 def _gap_with(req: RequestShape, d: ReplicaLoad) -> float:

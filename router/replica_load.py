@@ -59,10 +59,6 @@ class ReplicaLoad:
     # prompt tokens placed to be computed here per second lately, and their attention work
     prompt_token_rate: float = 0.0
     prompt_work_rate: float = 0.0
-    # requests placed to have their prompts computed here per second lately, and the
-    # harmonic mean of their TTFT objectives (0: none placed)
-    prefill_rate: float = 0.0
-    prefill_ttft_slo_s: float = 0.0
     node_id: str = ""  # its machine ("": unknown, shares with no one)
     # the other replicas of its node busy now, already priced into `coefficients` (each
     # slows its steps by the step model's `node_contention`)
