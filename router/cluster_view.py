@@ -28,11 +28,12 @@ victims are still waiting, not only once they complete.
 from __future__ import annotations
 
 from collections import Counter, deque
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from router.arrival_rate import ArrivalRate
 from router.prefix_index import PrefixIndex
+from router.replica_info import ReplicaInfo
 from router.replica_load import DEFAULT_CHUNK_TOKENS, ReplicaLoad, from_stats
 
 if TYPE_CHECKING:
@@ -41,35 +42,6 @@ if TYPE_CHECKING:
 OVERDUE_MARGIN_S = 0.05  # a first token this late past its prediction is jitter, not evidence
 MAX_OVERDUE = 8.0  # as a correction: one request counts as at most this ratio
 INCOMING_HORIZON_S = 5.0  # a remote request counts where it will decode once its first token is this near
-
-
-@dataclass
-class ReplicaInfo:
-    """One worker replica as its last heartbeat reported it (the ControlPlane's registry)."""
-
-    replica_id: str  # Serve's replica unique id (what `target_replica` names)
-    role: str  # "prefill" | "decode"
-    node_id: str = ""
-    address: str | None = None  # the replica's advertised KV transport address
-    healthy: bool = True
-    last_heartbeat: float = 0.0
-    # num_running, num_waiting, num_inflight, kv_blocks_free, kv_blocks_total, max_num_seqs, ...
-    stats: dict[str, Any] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)  # what the worker added at register
-
-    @property
-    def load(self) -> int:
-        """Running + waiting, read once per stats dict (a heartbeat's stats are replaced,
-        never changed in place; placement reads this per replica per request)."""
-        s = self.stats
-        cached = self.__dict__.get("_load")
-        if cached is None or cached[0] is not s:
-            cached = self.__dict__["_load"] = (s, int(s.get("num_running", 0)) + int(s.get("num_waiting", 0)))
-        return cached[1]
-
-    @property
-    def queue_len(self) -> int:
-        return int(self.stats.get("num_waiting", 0))
 
 
 class ClusterView:
@@ -84,7 +56,6 @@ class ClusterView:
         self.awaiting_first: Counter[str] = Counter()  # target replica, before the first token
         # prefill replica: the remote prefills it computes for another replica, until done (not streams)
         self.prefilling: Counter[str] = Counter()
-        # decode replica: sequences prefilling elsewhere that will decode there, and their context
         # target replica -> the requests prefilling elsewhere that will decode there
         self.incoming: dict[str, dict[int, Placement]] = {}
         # (route, replica that prefills): placements waiting for their first token, oldest first
