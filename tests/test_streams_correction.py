@@ -1,0 +1,38 @@
+"""The streams beside a candidate are corrected by one factor per decode replica,
+learned from every TPOT outcome there, whichever way the new prompt runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.auto_policy import candidates, corrected
+from router.corrections import Corrections, Outcome
+from tests.test_auto_policy import BUSY_STREAMS, ctx, replica
+
+
+def test_the_streams_beside_every_candidate_are_rescaled_alike():
+    """The same streams, whichever way the new prompt runs: their TPOT takes the factor
+    learned from every TPOT outcome on the decode replica, not the candidate's own, so a
+    background prefill whose last outcomes came in fast does not make them look faster
+    beside it than beside a foreground prefill; where its own factor is the larger, it
+    holds (its chunks slow the replica for seconds)."""
+    corrections = Corrections()
+    corrections.observe(Outcome("local", "d1", "d1", 0.3, 0.3, 0.030, 0.060), now=0.0)
+    corrections.observe(Outcome("local", "d1", "d1", 0.3, 0.3, 0.030, 0.015, learned_as="background"), now=0.0)
+    state = corrections.snapshot()
+    local_f, background_f, streams_f = (state.factor("tpot", key, "d1", 0.0) for key in ("local", "background", "streams"))
+    assert background_f < streams_f < 1.0 < local_f
+    by_kind = {c.kind: c for c in candidates(ctx(prompt_len=100, decode=replica("d1", **BUSY_STREAMS)))}
+    for kind in ("local", "background", "remote"):
+        c = by_kind[kind]
+        shown = corrected(c, state, 0.0)
+        assert shown.streams_tpot_s == pytest.approx(c.prediction.streams_tpot_s * streams_f), kind
+    assert corrected(by_kind["background"], state, 0.0).tpot_s == pytest.approx(
+        by_kind["background"].prediction.tpot_s * background_f)
+    later = Corrections()  # a background prefill came in slow, a foreground one fast since
+    later.observe(Outcome("local", "d1", "d1", 1.0, 1.0, 0.02, 0.08, learned_as="background"), now=1.0)
+    later.observe(Outcome("local", "d1", "d1", 0.3, 0.3, 0.02, 0.01), now=1.0)
+    slow = later.snapshot()
+    assert slow.factor("tpot", "background", "d1", 1.0) > slow.factor("tpot", "streams", "d1", 1.0)
+    assert corrected(by_kind["background"], slow, 1.0).streams_tpot_s == pytest.approx(
+        by_kind["background"].prediction.streams_tpot_s * slow.factor("tpot", "background", "d1", 1.0))
