@@ -28,35 +28,53 @@ MAX_KEPT = 512  # placements kept per replica: 50/s over the window
 
 
 class ArrivalRate:
-    """Per replica, the placements of the last `window_s` and their weights (1 each by
-    default: requests; prompt tokens where the caller weighs them so)."""
+    """Per replica, the placements of the last `window_s`, each with `num_weights` weights
+    (1 each by default: requests; prompt tokens and their work where the caller weighs
+    them so), and each weight's sum, kept as placements come and leave the window."""
 
-    def __init__(self, window_s: float = WINDOW_S) -> None:
-        self.window_s = window_s
-        self._times: dict[str, deque[tuple[float, float]]] = {}
-        self._sums: dict[str, float] = {}
+    def __init__(self, window_s: float = WINDOW_S, num_weights: int = 1) -> None:
+        self.window_s, self.num_weights = window_s, num_weights
+        self._entries: dict[str, deque[tuple[float, ...]]] = {}  # (at, *weights), oldest first
+        self._sums: dict[str, list[float]] = {}
 
-    def add(self, replica_id: str, at: float, weight: float = 1.0) -> None:
-        """A placement at `at` (the policy's clock) on `replica_id`."""
-        times = self._times.setdefault(replica_id, deque())
-        if len(times) == MAX_KEPT:
-            self._sums[replica_id] -= times.popleft()[1]
-        times.append((at, weight))
-        self._sums[replica_id] = self._sums.get(replica_id, 0.0) + weight
+    def add(self, replica_id: str, at: float, *weights: float) -> None:
+        """A placement at `at` (the policy's clock) on `replica_id`; no weights: 1 each."""
+        weights = weights or (1.0,) * self.num_weights
+        if len(weights) != self.num_weights:
+            raise ValueError(f"expected {self.num_weights} weights, got {len(weights)}")
+        entries = self._entries.setdefault(replica_id, deque())
+        sums = self._sums.setdefault(replica_id, [0.0] * self.num_weights)
+        if len(entries) == MAX_KEPT:
+            _drop(entries.popleft(), sums)
+        entries.append((at, *weights))
+        for i, w in enumerate(weights):
+            sums[i] += w
+
+    def rates(self, replica_id: str, now: float) -> tuple[float, ...]:
+        """Each weight per second placed there over the last `window_s`."""
+        entries = self._entries.get(replica_id)
+        if not entries:
+            return (0.0,) * self.num_weights
+        sums = self._sums[replica_id]
+        cutoff = now - self.window_s
+        while entries and entries[0][0] < cutoff:
+            _drop(entries.popleft(), sums)
+        if not entries:
+            sums[:] = [0.0] * self.num_weights  # no drift from float sums once empty
+        window = self.window_s
+        return tuple([total / window if total > 0.0 else 0.0 for total in sums])
 
     def rate(self, replica_id: str, now: float) -> float:
-        """Weight per second placed there over the last `window_s`."""
-        times = self._times.get(replica_id)
-        if not times:
-            return 0.0
-        total = self._sums[replica_id]
-        while times and times[0][0] < now - self.window_s:
-            total -= times.popleft()[1]
-        self._sums[replica_id] = total if times else 0.0
-        return max(total, 0.0) / self.window_s
+        """The first weight per second (requests per second, unweighted)."""
+        return self.rates(replica_id, now)[0]
 
     def forget(self, replica_ids: set[str]) -> None:
         """Drop the replicas not in `replica_ids` (gone from the cluster)."""
-        for gone in set(self._times) - replica_ids:
-            del self._times[gone]
+        for gone in set(self._entries) - replica_ids:
+            del self._entries[gone]
             self._sums.pop(gone, None)
+
+
+def _drop(entry: tuple[float, ...], sums: list[float]) -> None:
+    for i, w in enumerate(entry[1:]):
+        sums[i] -= w

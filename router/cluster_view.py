@@ -76,7 +76,7 @@ class ClusterView:
         self.nodes: dict[str, list[ReplicaInfo]] = {}  # node id -> its healthy replicas (known ids only)
         self.arrivals = ArrivalRate()  # per replica: the requests this router placed to decode there lately
         # per replica: the prompt tokens (and their attention work) it placed to be computed there lately
-        self.prompt_arrivals, self.prompt_work_arrivals = ArrivalRate(), ArrivalRate()
+        self.prompts = ArrivalRate(num_weights=2)
 
     def update(self, replicas: list[ReplicaInfo]) -> None:
         old = self.replicas
@@ -90,7 +90,7 @@ class ClusterView:
             del self.waiting[key]
         self.excluded.clear()
         self.index.retain(self.replicas)
-        for rate in (self.arrivals, self.prompt_arrivals, self.prompt_work_arrivals):
+        for rate in (self.arrivals, self.prompts):
             rate.forget(set(self.replicas))
         self._heartbeat_loads.clear()
         self.nodes = {}
@@ -111,6 +111,7 @@ class ClusterView:
         allowances = self.stream_allowances(rid, now)
         queued = self.queued_here(rid)
         node_busy = float(self.node_busy(replica)) if base.coefficients.node_contention > 0 else 0.0
+        prompt_tokens, prompt_work = self.prompts.rates(rid, now) if now is not None else (0.0, 0.0)
         return base.evolve(
             coefficients=base.coefficients.slowed(node_busy),
             queue_tokens=max(self.backlog.get(rid, 0), base.queue_tokens + since.sent_tokens - since.done_tokens),
@@ -124,8 +125,7 @@ class ClusterView:
             queued_tokens_left=queued[2] / queued[0] if queued[0] else 0.0,
             overdue=self.overdue_of(rid, now) if now is not None else {},
             arrival_rate=self.arrivals.rate(rid, now) if now is not None else 0.0,
-            prompt_token_rate=self.prompt_arrivals.rate(rid, now) if now is not None else 0.0,
-            prompt_work_rate=self.prompt_work_arrivals.rate(rid, now) if now is not None else 0.0,
+            prompt_token_rate=prompt_tokens, prompt_work_rate=prompt_work,
             node_id=replica.node_id, node_busy=node_busy)
 
     def stream_allowances(self, replica_id: str, now: float | None) -> tuple[float, ...]:
@@ -244,8 +244,8 @@ class ClusterView:
             self.backlog[placement.prefill_on] += placement.prefill_tokens
             self.backlog_work[placement.prefill_on] += placement.prefill_work
             self._since(placement.prefill_on).sent(placement.prefill_tokens, placement.prefill_work)
-            self.prompt_arrivals.add(placement.prefill_on, placement.placed_at, placement.prefill_tokens)
-            self.prompt_work_arrivals.add(placement.prefill_on, placement.placed_at, placement.prefill_work)
+            self.prompts.add(placement.prefill_on, placement.placed_at, placement.prefill_tokens,
+                             placement.prefill_work)
             if placement.decision.yield_prefill:
                 self.background_backlog[placement.prefill_on] += placement.prefill_tokens
                 self.background_backlog_work[placement.prefill_on] += placement.prefill_work

@@ -18,18 +18,18 @@ from tests.test_auto_policy import COEFFS, ctx, replica
 def test_a_weighted_rate_sums_the_weights_of_the_window():
     rate = ArrivalRate(window_s=10.0)
     for i in range(20):
-        rate.add("p1", 0.5 * i, weight=100.0)  # 200 tokens/s for 10 s
+        rate.add("p1", 0.5 * i, 100.0)  # 200 tokens/s for 10 s
     assert rate.rate("p1", 10.0) == pytest.approx(200.0)
     assert rate.rate("p1", 15.0) == pytest.approx(100.0)  # half have left the window
     assert rate.rate("p1", 30.0) == 0.0
-    rate.add("p1", 31.0, weight=50.0)
+    rate.add("p1", 31.0, 50.0)
     assert rate.rate("p1", 31.0) == pytest.approx(5.0)  # nothing of the old ones is left in the sum
 
 
 def test_the_oldest_placement_past_the_cap_leaves_the_sum_too():
     rate = ArrivalRate(window_s=1000.0)
     for i in range(MAX_KEPT + 10):
-        rate.add("d1", float(i), weight=1.0 if i < 10 else 2.0)
+        rate.add("d1", float(i), 1.0 if i < 10 else 2.0)
     assert rate.rate("d1", float(MAX_KEPT + 10)) == pytest.approx(2.0 * MAX_KEPT / 1000.0)
 
 
