@@ -2,32 +2,28 @@
 
 Two shapes of work, both exact (every query attends exactly its own context):
 
-- In place (`InPlaceDecode`): a decoding sequence with a long context reads its KV where
-  it lies. Its block table is cut into runs of consecutive blocks; a run of at least
-  `MIN_RUN_BLOCKS` is a zero-copy slice of the cache, the short runs (blocks handed out
-  one at a time while decoding) of every such sequence are gathered together in one copy.
-  A busy engine's sequences hold their prompt in one long run, so the copy per step is
-  the short tails, not batch x longest context.
-- Padded (`PaddedGroup`): prompt chunks and short decodes are attended a group at a time
-  in one SDPA call over their block tables padded to the group's longest, with a mask
-  for the causal offset and the ragged lengths. Groups are cut so that padding wastes
-  at most `MAX_PADDING_WASTE` of the group's real work. A group of prompts that start at
-  position 0 (no cached prefix, first chunk) needs no mask: SDPA's own causal rule is
-  theirs, and its kernel then skips the scores above the diagonal, half of a prompt's.
+- In place (`SparseDecode`): every decoding sequence reads its KV where it lies. The
+  step's decodes are one sparse pattern over the cache's rows (row `slot * kv_heads + h`
+  of a layer's flat `[num_slots * kv_heads, head_dim]` keys or values): query head h of
+  sequence i scores the rows of its context's slots. A sampled matrix product computes
+  only those scores, a softmax per row, and a sparse-dense product sums the values, so
+  no KV is copied and the work is each sequence's own context, in a few calls for the
+  whole batch whatever its size (paged_attention.py).
+- Padded (`PaddedGroup`): prompt chunks (and, where the cache cannot be read in place,
+  decodes) are attended a group at a time in one SDPA call over their block tables padded
+  to the group's longest, with a mask for the causal offset and the ragged lengths. Groups
+  are cut so that padding wastes at most `MAX_PADDING_WASTE` of the group's real work. A
+  group of prompts that start at position 0 (no cached prefix, first chunk) needs no
+  mask: SDPA's own causal rule is theirs, and its kernel then skips the scores above the
+  diagonal, half of a prompt's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-MIN_RUN_BLOCKS = 4  # shorter runs are gathered: a matmul per 16 tokens costs more than the copy
-# Shorter decodes are cheaper padded together in one call. With several torch threads the
-# padded call uses them all while the in-place loop runs on one (paged_attention.py), which
-# moves the break-even from ~128 to ~768 tokens (2 threads, small preset, batch 8 and 32).
-IN_PLACE_MIN_CONTEXT = 128
-IN_PLACE_MIN_CONTEXT_POOLED = 768
 MAX_PADDING_WASTE = 0.5  # a group's padded area may exceed its real area by this fraction
 
 
@@ -61,39 +57,19 @@ class PaddedGroup:
     span: tuple[int, int] | None = None
 
 
-@dataclass(frozen=True)
-class InPlaceSeq:
-    runs: tuple[tuple[int, int], ...]  # (first cache slot, num tokens) read in place
-    gathered: tuple[int, int]  # (first token, num tokens) in the step's gathered tail
-
-
-@dataclass
-class InPlaceDecode:
-    seqs: list[InPlaceSeq]
-    tokens: torch.Tensor  # [B] packed token of each sequence's query
-    gather_block_ids: torch.Tensor  # [num_short_blocks] blocks of the short runs, in sequence order
-
-
 @dataclass
 class AttentionPlan:
     groups: list[PaddedGroup]
-    in_place: InPlaceDecode | None
+    in_place: SparseDecode | None
 
 
-def in_place_min_context(num_threads: int) -> int:
-    return IN_PLACE_MIN_CONTEXT if num_threads == 1 else IN_PLACE_MIN_CONTEXT_POOLED
-
-
-def plan_step(works: list[SeqWork], block_size: int, device: torch.device,
-              min_context: int | None = IN_PLACE_MIN_CONTEXT) -> AttentionPlan:
-    """Decodes with at least `min_context` tokens read in place; None pads every sequence
-    into groups (where ~10 small ops per sequence and layer cost more than the copy, as
-    kernel launches on a GPU do)."""
-    reads_in_place = [min_context is not None and w.query_len == 1 and w.context_len >= min_context for w in works]
-    direct = [w for w, yes in zip(works, reads_in_place, strict=True) if yes]
-    padded = [w for w, yes in zip(works, reads_in_place, strict=True) if not yes]
+def plan_step(works: list[SeqWork], block_size: int, device: torch.device, in_place: bool = True) -> AttentionPlan:
+    """Decodes read in place when `in_place`; otherwise every sequence is padded into
+    groups (a captured GPU step's fixed shapes, or a cache dtype the sparse products lack)."""
+    direct = [w for w in works if in_place and w.query_len == 1]
+    padded = [w for w in works if not (in_place and w.query_len == 1)]
     groups = [padded_group(g, block_size, device) for g in group_by_padding(padded)]
-    return AttentionPlan(groups, in_place_decode(direct, block_size, device) if direct else None)
+    return AttentionPlan(groups, sparse_decode(direct, block_size, device) if direct else None)
 
 
 # -- padded groups ----------------------------------------------------------------------------
@@ -147,39 +123,59 @@ def causal_mask(works: list[SeqWork], max_len: int, num_keys: int, device: torch
 # -- in place -------------------------------------------------------------------------------
 
 
-def block_runs(block_ids: list[int]) -> list[tuple[int, int]]:
-    """(first block, num blocks) of each run of consecutive ids, in order."""
-    runs: list[tuple[int, int]] = []
-    for block_id in block_ids:
-        if runs and runs[-1][0] + runs[-1][1] == block_id:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((block_id, 1))
-    return runs
+@dataclass
+class SparsePattern:
+    """The scores a step's decodes compute, for one head layout. Row `i * num_heads + h` is
+    query head h of sequence i (the heads sharing a KV head are neighbours, so the rows
+    they read stay in cache between them); its entries are the flat cache rows of that
+    sequence's context for h's KV head, in context order."""
+
+    crow: torch.Tensor  # [B * num_heads + 1] CSR row offsets
+    col: torch.Tensor  # [nnz] flat cache row (slot * kv_heads + kv head) of each score
+    grid_index: torch.Tensor  # [nnz] each score's place in a [B * num_heads, max_context] grid
+    zeros: torch.Tensor  # [nnz] the pattern's values, for the sampled product to fill
 
 
-def in_place_decode(works: list[SeqWork], block_size: int, device: torch.device) -> InPlaceDecode:
-    seqs, gather_ids = [], []
-    for work in works:
-        seq, short_ids = _in_place_seq(work, block_size, len(gather_ids) * block_size)
-        seqs.append(seq)
-        gather_ids += short_ids
-    return InPlaceDecode(seqs, torch.tensor([w.query_start for w in works], dtype=torch.long, device=device),
-                         torch.tensor(gather_ids, dtype=torch.long, device=device))
+@dataclass
+class SparseDecode:
+    """Decodes attended in place (see the module's docstring)."""
+
+    tokens: torch.Tensor  # [B] packed token of each sequence's query
+    slots: torch.Tensor  # [sum of contexts] every sequence's cache slots in order, one after another
+    context_lens: torch.Tensor  # [B]
+    max_context: int
+    patterns: dict[tuple[int, int, torch.dtype], SparsePattern] = field(default_factory=dict)
+
+    def pattern(self, num_heads: int, num_kv_heads: int, dtype: torch.dtype) -> SparsePattern:
+        """Built on the step's first layer and kept for the others."""
+        key = (num_heads, num_kv_heads, dtype)
+        if key not in self.patterns:
+            self.patterns[key] = sparse_pattern(self, num_heads, num_kv_heads, dtype)
+        return self.patterns[key]
 
 
-def _in_place_seq(work: SeqWork, block_size: int, gather_start: int) -> tuple[InPlaceSeq, list[int]]:
-    """Long runs stay where they are; short ones join the gathered tail, in order, so a
-    partly filled last block ends its sequence's gathered span when it is gathered."""
-    num_blocks = -(-work.context_len // block_size)
-    unfilled = num_blocks * block_size - work.context_len  # empty slots of the last block
-    runs = block_runs(work.block_ids[:num_blocks])
-    in_place, short_ids = [], []
-    for i, (first, length) in enumerate(runs):
-        if length >= MIN_RUN_BLOCKS:
-            in_place.append((first * block_size, length * block_size - (unfilled if i == len(runs) - 1 else 0)))
-        else:
-            short_ids += range(first, first + length)
-    last_gathered = runs[-1][1] < MIN_RUN_BLOCKS
-    gathered = len(short_ids) * block_size - (unfilled if last_gathered else 0)
-    return InPlaceSeq(tuple(in_place), (gather_start, gathered)), short_ids
+def sparse_decode(works: list[SeqWork], block_size: int, device: torch.device) -> SparseDecode:
+    lens = [w.context_len for w in works]
+    max_blocks = -(-max(lens) // block_size)
+    table = torch.tensor([w.block_ids[:max_blocks] + [0] * (max_blocks - len(w.block_ids[:max_blocks])) for w in works],
+                         dtype=torch.long, device=device)
+    slots = (table[:, :, None] * block_size + torch.arange(block_size, device=device)).flatten(1)  # [B, max_blocks * bs]
+    context_lens = torch.tensor(lens, dtype=torch.long, device=device)
+    in_context = torch.arange(slots.shape[1], device=device)[None, :] < context_lens[:, None]
+    tokens = torch.tensor([w.query_start for w in works], dtype=torch.long, device=device)
+    return SparseDecode(tokens, slots[in_context], context_lens, max(lens))
+
+
+def sparse_pattern(decode: SparseDecode, num_heads: int, num_kv_heads: int, dtype: torch.dtype) -> SparsePattern:
+    device = decode.slots.device
+    counts = decode.context_lens.repeat_interleave(num_heads)  # rows sequence-major: [s0 h0, s0 h1, ..., s1 h0, ...]
+    crow = torch.zeros(counts.numel() + 1, dtype=torch.long, device=device)
+    torch.cumsum(counts, 0, out=crow[1:])
+    nnz = int(crow[-1])
+    row_of = torch.repeat_interleave(torch.arange(counts.numel(), device=device), counts, output_size=nnz)
+    position = torch.arange(nnz, device=device) - crow[:-1][row_of]  # in the row's context
+    seq_starts = torch.cumsum(decode.context_lens, 0) - decode.context_lens
+    slot = decode.slots[seq_starts[row_of // num_heads] + position]
+    col = slot * num_kv_heads + (row_of % num_heads) // (num_heads // num_kv_heads)
+    grid_index = row_of * decode.max_context + position
+    return SparsePattern(crow, col, grid_index, torch.zeros(nnz, dtype=dtype, device=device))

@@ -1,8 +1,8 @@
 """The torch attention backend (CPU and CUDA): reads the paged cache through plain torch
 ops, device-agnostic.
 
-`prepare` plans the step (attention_plan.py): long decodes read their KV in place, prompt
-chunks and short decodes are attended a padded group per SDPA call. A captured decode
+`prepare` plans the step (attention_plan.py): decodes read their KV in place through
+sparse products, prompt chunks are attended a padded group per SDPA call. A captured decode
 step (cuda_graphs.py) runs a fixed plan instead: one padded group over its static
 buffers, so the graph reads the block table's width of every row's KV (the price of a
 capturable shape), and `write_rows`, which points padding rows at a real row's K/V.
@@ -19,10 +19,12 @@ from workers.engine.attention_plan import (
     AttentionPlan,
     PaddedGroup,
     SeqWork,
-    in_place_min_context,
     plan_step,
 )
-from workers.engine.paged_attention import attend_in_place, attend_padded
+from workers.engine.paged_attention import attend_padded, attend_sparse
+
+# Cache dtypes the in-place products (torch's sparse CSR matmuls) accept on every device.
+IN_PLACE_DTYPES = (torch.float32, torch.float64)
 
 
 @dataclass
@@ -35,9 +37,9 @@ class SdpaState:
 
 class SdpaBackend(AttentionBackend):
     def __init__(self, in_place: bool | None = None) -> None:
-        """`in_place`: long decodes read their KV in place (None: where the cache is in host
-        memory; on a GPU the per-sequence loop's kernel launches cost more than the copy,
-        and captured decode steps attend padded anyway)."""
+        """`in_place`: decodes read their KV in place (None: where the cache is in host
+        memory; a GPU's decode steps run captured at fixed shapes, padded). A cache in a
+        dtype the sparse products lack (bfloat16, float16) is attended padded."""
         self.in_place = in_place
 
     def prepare(self, meta: AttentionMetadata) -> None:
@@ -45,8 +47,8 @@ class SdpaBackend(AttentionBackend):
                  for i in range(meta.num_seqs)]
         device = meta.slot_mapping.device
         in_place = self.in_place if self.in_place is not None else device.type == "cpu"
-        min_context = in_place_min_context(torch.get_num_threads()) if in_place else None
-        meta.backend_state = SdpaState(plan_step(works, meta.kv_cache.layout.block_size, device, min_context))
+        in_place = in_place and meta.kv_cache.layers[0].dtype in IN_PLACE_DTYPES
+        meta.backend_state = SdpaState(plan_step(works, meta.kv_cache.layout.block_size, device, in_place))
 
     def static_decode_state(self, static: StaticDecode) -> SdpaState:
         rows = torch.arange(static.block_table.shape[0], device=static.block_table.device)
@@ -67,5 +69,5 @@ class SdpaBackend(AttentionBackend):
         for group in state.plan.groups:
             out[group.tokens] = attend_padded(query, cache, group, scaling, key, value)
         if state.plan.in_place is not None:
-            out[state.plan.in_place.tokens] = attend_in_place(query, cache, state.plan.in_place, scaling)
+            out[state.plan.in_place.tokens] = attend_sparse(query, cache, state.plan.in_place, scaling)
         return out
