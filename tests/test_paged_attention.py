@@ -152,8 +152,8 @@ def test_in_place_pattern_scores_each_context_exactly_once(seed):
             first, end = pattern.crow[row].item(), pattern.crow[row + 1].item()
             slots = [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(context)]
             assert pattern.col[first:end].tolist() == [slot * NUM_KV_HEADS + h // group for slot in slots]
-            assert pattern.grid_index[first:end].tolist() == list(range(row * decode.max_context,
-                                                                         row * decode.max_context + context))
+            width = decode.grid_width
+            assert pattern.grid_index[first:end].tolist() == list(range(row * width, row * width + context))
     assert decode.pattern(NUM_HEADS, NUM_KV_HEADS, torch.float32) is pattern  # built once, kept for every layer
 
 

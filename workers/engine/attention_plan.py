@@ -132,7 +132,7 @@ class SparsePattern:
 
     crow: torch.Tensor  # [B * num_heads + 1] CSR row offsets
     col: torch.Tensor  # [nnz] flat cache row (slot * kv_heads + kv head) of each score
-    grid_index: torch.Tensor  # [nnz] each score's place in a [B * num_heads, max_context] grid
+    grid_index: torch.Tensor  # [nnz] each score's place in a [B * num_heads, W] grid
     zeros: torch.Tensor  # [nnz] the pattern's values, for the sampled product to fill
 
 
@@ -141,10 +141,13 @@ class SparseDecode:
     """Decodes attended in place (see the module's docstring)."""
 
     tokens: torch.Tensor  # [B] packed token of each sequence's query
-    slots: torch.Tensor  # [sum of contexts] every sequence's cache slots in order, one after another
+    slot_grid: torch.Tensor  # [B, W] each sequence's cache slots in context order, W a whole number of blocks
     context_lens: torch.Tensor  # [B]
-    max_context: int
     patterns: dict[tuple[int, int, torch.dtype], SparsePattern] = field(default_factory=dict)
+
+    @property
+    def grid_width(self) -> int:
+        return self.slot_grid.shape[1]
 
     def pattern(self, num_heads: int, num_kv_heads: int, dtype: torch.dtype) -> SparsePattern:
         """Built on the step's first layer and kept for the others."""
@@ -155,27 +158,23 @@ class SparseDecode:
 
 
 def sparse_decode(works: list[SeqWork], block_size: int, device: torch.device) -> SparseDecode:
-    lens = [w.context_len for w in works]
-    max_blocks = -(-max(lens) // block_size)
+    max_blocks = -(-max(w.context_len for w in works) // block_size)
     table = torch.tensor([w.block_ids[:max_blocks] + [0] * (max_blocks - len(w.block_ids[:max_blocks])) for w in works],
                          dtype=torch.long, device=device)
-    slots = (table[:, :, None] * block_size + torch.arange(block_size, device=device)).flatten(1)  # [B, max_blocks * bs]
-    context_lens = torch.tensor(lens, dtype=torch.long, device=device)
-    in_context = torch.arange(slots.shape[1], device=device)[None, :] < context_lens[:, None]
-    tokens = torch.tensor([w.query_start for w in works], dtype=torch.long, device=device)
-    return SparseDecode(tokens, slots[in_context], context_lens, max(lens))
+    slot_grid = (table[:, :, None] * block_size + torch.arange(block_size, device=device)).flatten(1)
+    as_long = dict(dtype=torch.long, device=device)
+    return SparseDecode(torch.tensor([w.query_start for w in works], **as_long), slot_grid,
+                        torch.tensor([w.context_len for w in works], **as_long))
 
 
 def sparse_pattern(decode: SparseDecode, num_heads: int, num_kv_heads: int, dtype: torch.dtype) -> SparsePattern:
-    device = decode.slots.device
-    counts = decode.context_lens.repeat_interleave(num_heads)  # rows sequence-major: [s0 h0, s0 h1, ..., s1 h0, ...]
-    crow = torch.zeros(counts.numel() + 1, dtype=torch.long, device=device)
-    torch.cumsum(counts, 0, out=crow[1:])
-    nnz = int(crow[-1])
-    row_of = torch.repeat_interleave(torch.arange(counts.numel(), device=device), counts, output_size=nnz)
-    position = torch.arange(nnz, device=device) - crow[:-1][row_of]  # in the row's context
-    seq_starts = torch.cumsum(decode.context_lens, 0) - decode.context_lens
-    slot = decode.slots[seq_starts[row_of // num_heads] + position]
-    col = slot * num_kv_heads + (row_of % num_heads) // (num_heads // num_kv_heads)
-    grid_index = row_of * decode.max_context + position
-    return SparsePattern(crow, col, grid_index, torch.zeros(nnz, dtype=dtype, device=device))
+    """Rows `[B, num_heads]` over the `[B, W]` slot grid: the places inside each context,
+    in row-major order, are the pattern's entries and their places in the score grid."""
+    device, width = decode.slot_grid.device, decode.grid_width
+    in_context = torch.arange(width, device=device)[None, :] < decode.context_lens[:, None]  # [B, W]
+    grid_index = in_context[:, None, :].expand(-1, num_heads, -1).reshape(-1).nonzero().squeeze(1)
+    kv_head = torch.arange(num_heads, device=device) // (num_heads // num_kv_heads)
+    col = (decode.slot_grid[:, None, :] * num_kv_heads + kv_head[None, :, None]).reshape(-1)[grid_index]
+    crow = torch.zeros(decode.context_lens.numel() * num_heads + 1, dtype=torch.long, device=device)
+    torch.cumsum(decode.context_lens.repeat_interleave(num_heads), 0, out=crow[1:])
+    return SparsePattern(crow, col, grid_index, torch.zeros(col.numel(), dtype=dtype, device=device))

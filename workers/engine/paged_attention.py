@@ -60,7 +60,7 @@ def _rows(packed: torch.Tensor, group: PaddedGroup) -> torch.Tensor:
 def attend_sparse(query: torch.Tensor, cache: torch.Tensor, decode: SparseDecode, scaling: float) -> torch.Tensor:
     """`[B, num_heads, head_dim]` for `decode`'s sequences, their KV read where it lies: the
     scores of each sequence's own context only (a sampled matrix product), a softmax per
-    row (through a `[rows, max_context]` grid, empty places at -inf), and each row's sum of
+    row (through a `[rows, W]` grid, empty places at -inf), and each row's sum of
     its values weighted by the probabilities (`embedding_bag`, 2-3x a CSR product's speed
     on CPU)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -70,9 +70,9 @@ def attend_sparse(query: torch.Tensor, cache: torch.Tensor, decode: SparseDecode
     q = (query[decode.tokens].to(keys.dtype) * scaling).reshape(size[0], head_dim)
     csr = torch.sparse_csr_tensor(pattern.crow, pattern.col, pattern.zeros, size, check_invariants=False)
     scores = torch.sparse.sampled_addmm(csr, q, keys.t(), beta=0.0).values()
-    grid = torch.full((size[0] * decode.max_context,), float("-inf"), dtype=torch.float32, device=query.device)
+    grid = torch.full((size[0] * decode.grid_width,), float("-inf"), dtype=torch.float32, device=query.device)
     grid.index_copy_(0, pattern.grid_index, scores.float())
-    probs = grid.view(size[0], decode.max_context).softmax(-1).view(-1).index_select(0, pattern.grid_index)
+    probs = grid.view(size[0], decode.grid_width).softmax(-1).view(-1).index_select(0, pattern.grid_index)
     out = F.embedding_bag(pattern.col, values, pattern.crow, mode="sum", per_sample_weights=probs.to(values.dtype),
                           include_last_offset=True)  # [B * num_heads, dim]
     return out.to(query.dtype).view(-1, num_heads, head_dim)
