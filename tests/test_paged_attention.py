@@ -13,6 +13,7 @@ import torch
 
 from workers.engine.attention import AttentionMetadata
 from workers.engine.attention_plan import (
+    IN_PLACE_MIN_TOKENS,
     MAX_PADDING_WASTE,
     SeqWork,
     _padded_area,
@@ -91,12 +92,13 @@ def run_step(query_lens, context_lens, seed=0, in_place=None):
 
 
 CASES = {
-    "decodes_ragged": ([1] * 9, [1, 3, 4, 5, 17, 130, 200, 257, 300]),
+    "decodes_ragged": ([1] * 9, [1, 3, 4, 5, 17, 130, 200, 257, 300]),  # few tokens in all: padded
+    "decodes_ragged_in_place": ([1] * 9, [1, 3, 4, 5, 17, 130, 200, 257, 600]),
     "long_decodes": ([1] * 4, [128, 400, 401, 512]),
     "prefill_chunks_together": ([5, 7, 6, 8], [5, 7, 6, 8]),
     "one_prompt_from_start": ([101], [101]),
     "prefix_cached_chunks": ([3, 9, 16, 1], [40, 9, 120, 33]),
-    "mixed_step": ([1, 1, 30, 1, 12, 1], [300, 2, 30, 150, 60, 129]),
+    "mixed_step": ([1, 1, 30, 1, 12, 1], [300, 2, 30, 700, 60, 129]),
 }
 
 
@@ -106,8 +108,8 @@ CASES = {
 def test_backend_equals_dense_attention(name, seed, in_place):
     out, ref, meta = run_step(*CASES[name], seed=seed, in_place=in_place)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
-    decodes = any(q == 1 for q in CASES[name][0])
-    assert (meta.backend_state.plan.in_place is not None) == (decodes and in_place is not False)
+    decoded = sum(c for q, c in zip(*CASES[name], strict=True) if q == 1)
+    assert (meta.backend_state.plan.in_place is not None) == (decoded >= IN_PLACE_MIN_TOKENS and in_place is not False)
 
 
 def test_every_query_is_planned_once_and_chunks_share_calls():
@@ -140,7 +142,7 @@ def test_written_kv_lands_in_the_scheduled_slots_only():
 @pytest.mark.parametrize("seed", range(5))
 def test_in_place_pattern_scores_each_context_exactly_once(seed):
     rng = random.Random(seed)
-    context_lens = [rng.randrange(1, 300) for _ in range(6)]
+    context_lens = [rng.randrange(1, 300) for _ in range(6)] + [IN_PLACE_MIN_TOKENS]
     tables = random_tables(rng, context_lens)
     works = [SeqWork(i, 1, c, t) for i, (c, t) in enumerate(zip(context_lens, tables, strict=True))]
     decode = plan_step(works, BLOCK_SIZE, torch.device("cpu")).in_place
@@ -170,8 +172,8 @@ def test_padded_groups_stay_within_the_waste_bound(seed):
 def test_every_layer_reads_in_place_with_the_same_plan():
     cache = make_cache()
     cache.layers.append(torch.randn_like(cache.layers[0]))
-    tables = [list(range(100, 150)), list(range(300, 400, 2)), list(range(500, 530)) + list(range(600, 640, 2))]
-    meta = step_meta(cache, [1, 1, 1], [200, 197, 191], tables)
+    tables = [list(range(100, 250)), list(range(300, 600, 2)), list(range(600, 630)) + list(range(640, 880, 2))]
+    meta = step_meta(cache, [1, 1, 1], [600, 597, 591], tables)
     query, key = torch.randn(3, NUM_HEADS, HEAD_DIM), torch.randn(3, NUM_KV_HEADS, HEAD_DIM)
     meta.backend.prepare(meta)
     for layer_idx in (0, 1):
