@@ -64,6 +64,11 @@ class ArrivalRate:
         window = self.window_s
         return tuple([total / window if total > 0.0 else 0.0 for total in sums])
 
+    def recent(self, replica_id: str, now: float) -> tuple[tuple[float, ...], ...]:
+        """The weights of each placement on `replica_id` over the last `window_s`, oldest first."""
+        self.rates(replica_id, now)  # drops what left the window
+        return tuple(entry[1:] for entry in self._entries.get(replica_id, ()))
+
     def rate(self, replica_id: str, now: float) -> float:
         """The first weight per second (requests per second, unweighted)."""
         return self.rates(replica_id, now)[0]

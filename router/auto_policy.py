@@ -9,7 +9,9 @@ waiting on the same route and replica is (`ReplicaLoad.overdue`):
 - `local` on the decode replica, in the foreground,
 - `background` on the decode replica at the chunk size that keeps its streams inside
   their TPOT objective (only while it has streams),
-- `whole` on an idle prefill replica (only when the placement offers one).
+- `whole` on an idle prefill replica (only when the placement offers one); its chance
+  of meeting the SLO also counts the long remote prefills that may land beside it there
+  (`predict.burst_miss_chance`).
 
 A candidate meets the SLO when its TTFT and this request's TPOT meet the workload's and
 the TPOT the streams beside it will see meets theirs: what the tightest of them still in
@@ -122,6 +124,8 @@ def score(ctx: RouteContext, candidate: Candidate, prediction: Prediction, state
     if ctx.max_tokens >= 2:
         ratios.append(prediction.tpot_s / slo_tpot)
         own *= _chance(state, "tpot", route, prediction.tpot_s, slo_tpot, now)
+    if candidate.kind == "whole" and ctx.whole is not None:  # a prefill replica: long prompts land there
+        own *= 1.0 - predict.burst_miss_chance(ctx.shape, ctx.whole, prediction.tpot_s, slo_tpot)
     own_meets = all(r <= 1.0 for r in ratios)
     at_stake = max(0, candidate.num_streams - past_reach)  # the streams this route can still cost
     streams_ratio = prediction.streams_tpot_s / slo_streams if at_stake else 0.0

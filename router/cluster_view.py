@@ -126,6 +126,7 @@ class ClusterView:
             overdue=self.overdue_of(rid, now) if now is not None else {},
             arrival_rate=self.arrivals.rate(rid, now) if now is not None else 0.0,
             prompt_token_rate=prompt_tokens, prompt_work_rate=prompt_work,
+            recent_prompts=self.prompts.recent(rid, now) if now is not None else (),
             node_id=replica.node_id, node_busy=node_busy)
 
     def stream_allowances(self, replica_id: str, now: float | None) -> tuple[float, ...]:

@@ -25,7 +25,10 @@ candidate:
   are done; priced as if streams stay beside it to the end (new ones keep arriving where
   streams decode).
 - `whole`: the request runs, prefill and decode, on an idle prefill replica, its gaps
-  stretched by the remote prefills that keep arriving there (`prompt_share`).
+  stretched by the remote prefills that keep arriving there (`prompt_share`). Those come
+  in lumps: one long prompt, computed in a few full-budget chunks, stalls the stream for
+  seconds, which a mean stretch prices at a few percent. `burst_miss_chance` is the
+  chance that a prompt too long for the request's TPOT slack lands during its decode.
 
 A stream's TPOT is its mean gap over the tokens it has left, so the prediction for the
 streams beside a prefill averages the slower mixed steps into the rest of their life,
@@ -50,6 +53,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from router.arrival_rate import WINDOW_S as ARRIVAL_WINDOW_S
 from router.queue_drain import Drain, Own, drain, own_prompt
 from router.replica_load import ReplicaLoad
 from workers.engine.cost_model import StepCoefficients
@@ -309,6 +313,22 @@ def whole(req: RequestShape, p: ReplicaLoad, cached: int) -> Candidate:
     ttft = prefill.seconds + 0.5 * current_step_s(p)
     return Candidate("whole", p.replica_id, p.replica_id, Prediction(ttft, tpot, 0.0),
                      overdue_x=p.overdue.get("local", 1.0))
+
+
+def burst_miss_chance(req: RequestShape, r: ReplicaLoad, tpot_s: float, slo_tpot_s: float) -> float:
+    """The chance that a prompt arriving at `r` while this request decodes there alone
+    would push its TPOT past `slo_tpot_s`: prompts arrive as they did over the last
+    window (Poisson, at the rate of those whose prefill alone outlasts the slack the
+    request's own gaps leave), exposed for the request's decode. 0 where it already
+    misses (the prediction prices that) or generates one token."""
+    tokens_left = req.max_tokens - 1
+    slack_s = tokens_left * (slo_tpot_s - tpot_s)
+    if tokens_left < 1 or slack_s <= 0.0 or not r.recent_prompts:
+        return 0.0
+    c = r.coefficients
+    num_long = sum(1 for tokens, work in r.recent_prompts
+                   if tokens * c.prefill_token_s + work * c.prefill_attention_s > slack_s)
+    return 1.0 - math.exp(-num_long / ARRIVAL_WINDOW_S * tokens_left * tpot_s)
 
 
 def _gap_with(req: RequestShape, d: ReplicaLoad) -> float:

@@ -59,6 +59,9 @@ class ReplicaLoad:
     # prompt tokens placed to be computed here per second lately, and their attention work
     prompt_token_rate: float = 0.0
     prompt_work_rate: float = 0.0
+    # (tokens, attention work) of each prompt placed to be computed here over the same
+    # window (`arrival_rate.WINDOW_S`), oldest first: what a stream here may find beside it
+    recent_prompts: tuple[tuple[float, float], ...] = ()
     node_id: str = ""  # its machine ("": unknown, shares with no one)
     # the other replicas of its node busy now, already priced into `coefficients` (each
     # slows its steps by the step model's `node_contention`)

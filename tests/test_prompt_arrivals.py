@@ -1,16 +1,19 @@
 """The prompts that keep arriving at a replica stretch the gaps of a stream decoding
-there: the prompt-token rate the router's view keeps, the gap it prices, and the decision
-it changes (a request run whole on a prefill replica that keeps getting remote prefills)."""
+there: the prompt-token rate and the recent prompts the router's view keeps, the gap it
+prices, the chance a long one lands mid-decode, and the decisions they change (a request
+run whole on a prefill replica that keeps getting remote prefills, or long ones)."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
 from cluster.config import SLO
 from router import predict
 from router.arrival_rate import MAX_KEPT, ArrivalRate
+from router.arrival_rate import WINDOW_S as ARRIVAL_WINDOW_S
 from router.routing import decide
 from tests.test_auto_policy import COEFFS, ctx, replica
 
@@ -80,3 +83,57 @@ def test_a_request_is_not_run_whole_where_remote_prefills_keep_arriving():
     assert COEFFS.prefill_token_s * 9000.0 == pytest.approx(0.9)
     assert route(0.0) == "whole"
     assert route(9000.0) != "whole"
+
+
+def test_the_view_keeps_each_prompt_placed_on_a_replica_over_the_window():
+    from router.cluster_view import ClusterView, ReplicaInfo
+    from router.placement import Placement
+    from router.policy import RouteDecision
+
+    view = ClusterView(16, 8)
+    d1, p1 = ReplicaInfo("d1", "decode"), ReplicaInfo("p1", "prefill")
+    view.update([d1, p1])
+    for at, tokens in ((0.0, 1500), (6.0, 90), (9.0, 1400)):
+        view.begin(Placement("decode", "d1", "p1", RouteDecision("disagg", "slo-disagg"), 0, prefill_on="p1",
+                             prefill_tokens=tokens, prefill_work=tokens // 10, placed_at=at))
+    assert view.load_of(p1, now=9.5).recent_prompts == ((1500, 150), (90, 9), (1400, 140))
+    assert view.load_of(p1, now=12.0).recent_prompts == ((90, 9), (1400, 140))  # the first left the window
+    assert view.load_of(d1, now=12.0).recent_prompts == () and view.load_of(p1).recent_prompts == ()
+
+
+@pytest.mark.parametrize("name, recent, tpot_s, max_tokens, num_long", [
+    ("nothing arrived", (), 0.010, 32, 0),
+    ("short prompts only", ((100.0, 0.0),) * 20, 0.010, 32, 0),  # 10 ms each against 310 ms of slack
+    ("one long prompt", ((100.0, 0.0), (5000.0, 0.0)), 0.010, 32, 1),  # 500 ms
+    ("long by its attention", ((1000.0, 4000.0),), 0.010, 32, 1),  # 100 ms + 400 ms
+    ("two long prompts", ((5000.0, 0.0), (4000.0, 0.0)), 0.010, 32, 2),
+    ("already missing", ((5000.0, 0.0),), 0.025, 32, 0),  # the prediction prices it
+    ("one token", ((5000.0, 0.0),), 0.010, 1, 0),
+])
+def test_the_chance_that_a_long_prompt_lands_while_a_request_decodes(name, recent, tpot_s, max_tokens, num_long):
+    coefficients = dataclasses.replace(COEFFS, prefill_attention_s=1e-4)
+    r = replica("p1", "prefill", coefficients=coefficients, recent_prompts=recent)
+    req = predict.RequestShape(prompt_len=100, max_tokens=max_tokens)
+    exposed_s = (max_tokens - 1) * tpot_s
+    expected = 1.0 - math.exp(-num_long / ARRIVAL_WINDOW_S * exposed_s)
+    assert predict.burst_miss_chance(req, r, tpot_s, 0.020) == pytest.approx(expected)
+    assert (expected > 0) == (num_long > 0)
+
+
+def test_a_request_is_not_run_whole_where_long_prompts_land():
+    """Local meets the SLO but is slower to the first token: an idle prefill replica runs
+    the request whole while only short prompts arrive there, not once long ones do (three
+    8,000-token prompts in the last 10 s: one landing mid-decode stalls it 0.8 s, past the
+    0.45 s of slack its 31 gaps leave)."""
+    slo = SLO(ttft_ms=4000, tpot_ms=20)
+    decode = replica("d1", queue_tokens=20_000)
+
+    def decision(recent: tuple[tuple[float, float], ...]):
+        p1 = replica("p1", "prefill", recent_prompts=recent)
+        return decide(ctx(slo=slo, decode=decode, prefills=(p1,), whole=p1, whole_cached_tokens=0))
+
+    assert decision(((100.0, 0.0),) * 5).candidate.kind == "whole"
+    chosen = decision(((8000.0, 0.0),) * 3)
+    assert chosen.candidate.kind == "local"
+    whole = next(a for a in chosen.alternatives if a.candidate.kind == "whole")
+    assert whole.meets and whole.loss == pytest.approx(1.0 - math.exp(-0.3 * 31 * whole.prediction.tpot_s))
