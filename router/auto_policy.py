@@ -102,11 +102,12 @@ def stream_slo_s(ctx: RouteContext, floor_s: float = 0.0) -> tuple[float, int]:
 
 def corrected(candidate: Candidate, state: LearnedState, now: float) -> Prediction:
     """The raw prediction rescaled by what this router measured of the route on these
-    replicas (of background prefills, for one: `Candidate.learned_as`), and by how late
+    replicas (of background prefills, for one: `Candidate.learned_as`; the TTFT of long
+    prompts apart: `Candidate.ttft_learned_as`), and by how late
     the route's oldest prompt there still waiting already is; the streams beside it by
     what it measured of every stream on the decode replica (`corrections.STREAMS`)."""
     learned_as = candidate.learned_as
-    ttft = state.factor("ttft", learned_as, candidate.prefill_replica, now)
+    ttft = state.factor("ttft", candidate.ttft_learned_as, candidate.prefill_replica, now)
     tpot = state.factor("tpot", learned_as, candidate.decode_replica, now)
     streams = state.factor("tpot", STREAMS, candidate.decode_replica, now)
     if candidate.kind == "background":  # slower, never faster, than any stream there: see corrections.py

@@ -8,7 +8,10 @@ more tokens). A correction factor (measured / predicted, smoothed on the log sca
 then rescales later predictions for that replica and route, so a slow prefill pool, a
 slow network or a cold transfer path shows up in the predictions within a few requests.
 Background prefills keep factors of their own (`Candidate.learned_as`): a foreground
-one's errors say little about theirs. The streams decoding beside a candidate are
+one's errors say little about theirs. So do long prompts' TTFT (`Candidate.ttft_learned_as`,
+key `<route>:long` from `predict.LONG_PROMPT_TOKENS` computed tokens): a short prompt's
+TTFT error is mostly the steps and hops around its prefill, and rescaled by it a long
+prompt's prefill looked 1.4x what it then took. The streams decoding beside a candidate are
 corrected by one more TPOT factor per replica, learned from every TPOT outcome there
 whatever its route (`STREAMS`): they are the same streams whichever way the new prompt
 runs, so every candidate on that replica rescales them alike. Rescaled by the candidate's
@@ -97,10 +100,15 @@ class Outcome:
     measured_tpot_s: float | None = None
     predicted_transfer_s: float = 0.0  # the transfer tail inside `predicted_ttft_s`
     learned_as: str = ""  # the key of its corrections (`Candidate.learned_as`); "" = its route
+    ttft_learned_as: str = ""  # the key of its TTFT correction (`Candidate.ttft_learned_as`); "" = `key`
 
     @property
     def key(self) -> str:
         return self.learned_as or self.route
+
+    @property
+    def ttft_key(self) -> str:
+        return self.ttft_learned_as or self.key
 
 
 @dataclass(frozen=True)
@@ -154,11 +162,11 @@ class Corrections:
     def observe(self, outcome: Outcome, now: float) -> None:
         state = self.snapshot()  # the residual is against the prediction as corrected before this outcome
         tail = min(max(outcome.predicted_transfer_s, 0.0), outcome.predicted_ttft_s)
-        self._residual("ttft", outcome, outcome.prefill_replica, outcome.predicted_ttft_s,
+        self._residual("ttft", outcome, outcome.ttft_key, outcome.prefill_replica, outcome.predicted_ttft_s,
                        outcome.measured_ttft_s, state, now, tail)
-        self._residual("tpot", outcome, outcome.decode_replica, outcome.predicted_tpot_s,
+        self._residual("tpot", outcome, outcome.key, outcome.decode_replica, outcome.predicted_tpot_s,
                        outcome.measured_tpot_s, state, now)
-        self._update(("ttft", outcome.key, outcome.prefill_replica), outcome.predicted_ttft_s - tail,
+        self._update(("ttft", outcome.ttft_key, outcome.prefill_replica), outcome.predicted_ttft_s - tail,
                      outcome.measured_ttft_s - tail, now)
         if outcome.predicted_tpot_s is not None and outcome.measured_tpot_s is not None:
             for key in (outcome.key, STREAMS):
@@ -167,13 +175,13 @@ class Corrections:
         self._last_seen[outcome.route] = now
         self._snapshot = None
 
-    def _residual(self, metric: Metric, outcome: Outcome, replica: str, predicted: float | None,
+    def _residual(self, metric: Metric, outcome: Outcome, key: str, replica: str, predicted: float | None,
                   measured: float | None, state: LearnedState, now: float, tail: float = 0.0) -> None:
-        """Measured over the corrected prediction, kept per route (the spread `auto`
-        weighs a route's candidates by)."""
+        """Measured over the corrected prediction (corrected under `key`), kept per route
+        (the spread `auto` weighs a route's candidates by)."""
         if predicted is None or measured is None or not _usable(predicted, measured):
             return
-        shown = scale_ttft(predicted, tail, state.factor(metric, outcome.key, replica, now))
+        shown = scale_ttft(predicted, tail, state.factor(metric, key, replica, now))
         self._residuals.setdefault((metric, outcome.route), deque(maxlen=RESIDUALS)).append(measured / shown)
 
     def _update(self, key: Key, predicted: float, measured: float, now: float) -> None:

@@ -112,4 +112,4 @@ def outcome_of(placement: Placement, ttft_s: float, tpot_s: float | None) -> Out
     measured_tpot = tpot_s if placement.num_sequences == 1 else None
     return Outcome(decision.route, candidate.prefill_replica, candidate.decode_replica, raw.ttft_s, ttft_s,
                    raw.tpot_s if measured_tpot is not None else None, measured_tpot, raw.transfer_s,
-                   candidate.learned_as)
+                   candidate.learned_as, candidate.ttft_learned_as)

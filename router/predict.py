@@ -62,6 +62,14 @@ Kind = Literal["remote", "local", "background", "whole"]
 STREAM_TPOT_MARGIN = 0.9  # a background chunk aims this far inside the streams' objective
 NOW_WEIGHT = 0.3  # of a replica's state now in a stream's expected gap; the rest is its recent past
 MAX_PROMPT_SHARE = 0.9  # of a replica's time taken by arriving prompts, as a stream's gap prices it
+# Prompts computing at least this many tokens learn their TTFT corrections apart
+# (`Candidate.ttft_learned_as`): a short prompt's TTFT is mostly the steps and hops around
+# its prefill, a long one's is the prefill, and each errs its own way. One short remote
+# prefill at twice its predicted 132 ms made the next 1,496-token prompt's remote TTFT
+# look 1.4x its 1.7 s, and that prompt prefilled on the decode replica instead, ahead of
+# four short requests that then missed their 215 ms objective.
+LONG_PROMPT_TOKENS = 512
+LONG_PROMPT_KEY = ":long"
 
 
 @dataclass(frozen=True)
@@ -107,6 +115,7 @@ class Candidate:
     overdue_x: float = 1.0  # the prefill replica's `ReplicaLoad.overdue` on this route (a correction)
     # requests expected to start decoding beside it while its chunks slow the decode replica's steps
     joining_streams: float = 0.0
+    computed_tokens: int = 0  # the prompt tokens its prefill computes (the rest are cached)
 
     @property
     def route(self) -> str:
@@ -121,6 +130,12 @@ class Candidate:
         1,496-token prompt was predicted 3.6 s instead of about 10 s, and its streams' TPOT
         half of what they then saw."""
         return "background" if self.kind == "background" else self.route
+
+    @property
+    def ttft_learned_as(self) -> str:
+        """The key its TTFT is corrected under: `learned_as`, long prompts apart
+        (`LONG_PROMPT_TOKENS`)."""
+        return self.learned_as + LONG_PROMPT_KEY if self.computed_tokens >= LONG_PROMPT_TOKENS else self.learned_as
 
 
 def added_contention(r: ReplicaLoad, extra_busy: float) -> float:
@@ -222,7 +237,8 @@ def remote(req: RequestShape, p: ReplicaLoad, d: ReplicaLoad, prefill_cached: in
     joins = joins_node(p, d)
     during_x = added_contention(d, joins)  # while `p` prefills beside it
     d_queue = d_queue or drain(d)
-    prefill = drain(p, foreground(p, _start(req, prefill_cached), req.prompt_len))
+    start = _start(req, prefill_cached)
+    prefill = drain(p, foreground(p, start, req.prompt_len))
     num_bytes = max(0, req.prompt_len - _start(req, decode_cached)) * d.kv_bytes_per_token
     link = p.transfer_to(d.address)
     tail = link.fixed_s + num_bytes / link.bytes_per_s
@@ -239,18 +255,19 @@ def remote(req: RequestShape, p: ReplicaLoad, d: ReplicaLoad, prefill_cached: in
     streams = _streams_tpot(d, busy_steps, busy_s / busy_steps if busy_steps else 0.0, _gap_with(req, d))
     return Candidate("remote", d.replica_id, p.replica_id, Prediction(ttft, tpot, streams, tail),
                      num_streams=d.num_streams,
-                     overdue_x=p.overdue.get("disagg", 1.0))
+                     overdue_x=p.overdue.get("disagg", 1.0), computed_tokens=req.prompt_len - start)
 
 
 def local(req: RequestShape, d: ReplicaLoad, cached: int, d_queue: Drain | None = None) -> Candidate:
     """Prefill on `d` in the foreground, behind its queue (from the next step boundary),
     then decode there."""
-    prefill = drain(d, foreground(d, _start(req, cached), req.prompt_len))
-    return _on_decode_replica("local", req, d, prefill, d_queue)
+    start = _start(req, cached)
+    prefill = drain(d, foreground(d, start, req.prompt_len))
+    return _on_decode_replica("local", req, d, prefill, d_queue, computed_tokens=req.prompt_len - start)
 
 
 def _on_decode_replica(kind: Kind, req: RequestShape, d: ReplicaLoad, prefill: Drain, d_queue: Drain | None,
-                       chunk: int | None = None) -> Candidate:
+                       chunk: int | None = None, computed_tokens: int = 0) -> Candidate:
     """A prompt prefilled on `d` (`prefill`, its drain there) and decoded there: its own
     gaps beside the prompt chunks still running after its first token, and the streams'
     beside every prompt chunk from now on (the prompts queued ahead decode beside its own)."""
@@ -261,7 +278,7 @@ def _on_decode_replica(kind: Kind, req: RequestShape, d: ReplicaLoad, prefill: D
     ttft = prefill.seconds + 0.5 * current_step_s(d, d_queue)
     return Candidate(kind, d.replica_id, d.replica_id, Prediction(ttft, tpot, streams), chunk,
                      num_streams=d.num_streams + d.queued_streams, overdue_x=d.overdue.get("local", 1.0),
-                     joining_streams=d.arrival_rate * prefill.own_s)
+                     joining_streams=d.arrival_rate * prefill.own_s, computed_tokens=computed_tokens)
 
 
 def stream_objective_s(d: ReplicaLoad, default_s: float, floor_s: float) -> tuple[float, int]:
@@ -302,17 +319,18 @@ def background(req: RequestShape, d: ReplicaLoad, cached: int, stream_tpot_slo_s
     chunk = background_chunk(req, d, stream_tpot_slo_s)
     start = _start(req, cached)
     prefill = drain(d, own_prompt(start, req.prompt_len, chunk, background_chunk=chunk))
-    return _on_decode_replica("background", req, d, prefill, d_queue, chunk)
+    return _on_decode_replica("background", req, d, prefill, d_queue, chunk, req.prompt_len - start)
 
 
 def whole(req: RequestShape, p: ReplicaLoad, cached: int) -> Candidate:
     """Prefill and decode on the prefill replica `p` (which has no streams of its own),
     beside the remote prefills arriving there meanwhile (`expected_gap_s`)."""
-    prefill = drain(p, foreground(p, _start(req, cached), req.prompt_len))
+    start = _start(req, cached)
+    prefill = drain(p, foreground(p, start, req.prompt_len))
     tpot = _own_tpot(req, p, prefill.after_steps, prefill.after_step_s)
     ttft = prefill.seconds + 0.5 * current_step_s(p)
     return Candidate("whole", p.replica_id, p.replica_id, Prediction(ttft, tpot, 0.0),
-                     overdue_x=p.overdue.get("local", 1.0))
+                     overdue_x=p.overdue.get("local", 1.0), computed_tokens=req.prompt_len - start)
 
 
 def burst_miss_chance(req: RequestShape, r: ReplicaLoad, tpot_s: float, slo_tpot_s: float) -> float:

@@ -17,6 +17,7 @@ from router import predict
 from router.auto_policy import candidates, corrected, in_explore_bucket
 from router.corrections import EMPTY, Corrections, Outcome
 from router.policy import RequestWork, RouteContext
+from router.predict import LONG_PROMPT_KEY
 from router.queue_drain import drain
 from router.replica_load import ReplicaLoad
 from router.routing import decide
@@ -164,8 +165,10 @@ def test_a_stale_route_is_probed_only_where_both_routes_meet_the_slo():
 # ---- correction ------------------------------------------------------------------------
 
 def _learn_slow_disagg(corrections: Corrections, ratio: float, now: float, times: int = 3) -> None:
+    """Long prompts (as `ctx`'s 1,000 tokens are) that came in `ratio` times their predicted TTFT."""
     for _ in range(times):
-        corrections.observe(Outcome("disagg", "p1", "d1", 0.1, 0.1 * ratio, 0.01, 0.01), now)
+        corrections.observe(Outcome("disagg", "p1", "d1", 0.1, 0.1 * ratio, 0.01, 0.01,
+                                    ttft_learned_as="disagg" + LONG_PROMPT_KEY), now)
 
 
 def test_slow_disaggregated_outcomes_shift_routing_local_and_back_when_they_fade():
@@ -175,7 +178,7 @@ def test_slow_disaggregated_outcomes_shift_routing_local_and_back_when_they_fade
     corrections = Corrections(half_life_s=30.0)
     _learn_slow_disagg(corrections, ratio=8.0, now=10.0)
     state = corrections.snapshot()
-    assert 4.0 < state.factor("ttft", "disagg", "p1", 10.0) <= 8.0  # the first samples are weighed in gently
+    assert 4.0 < state.factor("ttft", "disagg:long", "p1", 10.0) <= 8.0  # the first samples are weighed in gently
     after = decide(busy, state, now=10.0)
     assert after.route == "local" and after.prediction.ttft_s > 0
     # the evidence fades with no new measurement: the model's view comes back
@@ -184,13 +187,13 @@ def test_slow_disaggregated_outcomes_shift_routing_local_and_back_when_they_fade
 
 def test_a_correction_rescales_the_headers_prediction():
     corrections = Corrections()
-    corrections.observe(Outcome("local", "d1", "d1", 0.1, 0.15, 0.010, 0.012), now=0.0)
+    corrections.observe(Outcome("local", "d1", "d1", 0.1, 0.15, 0.010, 0.012, ttft_learned_as="local:long"), now=0.0)
     only_local = ctx(prefills=(), num_healthy_prefill=0)
     raw = decide(only_local, EMPTY, now=0.0)
     fixed = decide(only_local, corrections.snapshot(), now=0.0)
     state = corrections.snapshot()
-    assert 1.0 < state.factor("ttft", "local", "d1", 0.0) < 1.5  # a first sample moves it half way (log scale)
-    assert fixed.prediction.ttft_s == pytest.approx(raw.prediction.ttft_s * state.factor("ttft", "local", "d1", 0.0))
+    assert 1.0 < state.factor("ttft", "local:long", "d1", 0.0) < 1.5  # a first sample moves it half way (log scale)
+    assert fixed.prediction.ttft_s == pytest.approx(raw.prediction.ttft_s * state.factor("ttft", "local:long", "d1", 0.0))
     assert fixed.prediction.tpot_s == pytest.approx(raw.prediction.tpot_s * state.factor("tpot", "local", "d1", 0.0))
 
 
@@ -204,7 +207,7 @@ def test_background_prefills_are_corrected_apart_from_foreground_ones():
     state = corrections.snapshot()
     assert state.factor("ttft", "local", "d1", 0.0) < 0.4 and state.factor("tpot", "local", "d1", 0.0) < 0.6
     assert state.factor("ttft", "background", "d1", 0.0) == state.factor("tpot", "background", "d1", 0.0) == 1.0
-    context = ctx(decode=replica("d1", **BUSY_STREAMS))
+    context = ctx(prompt_len=200, decode=replica("d1", **BUSY_STREAMS))  # short: its TTFT is learned as its route
     by_kind = {c.kind: c for c in candidates(context)}
     background = by_kind["background"]
     assert background.learned_as == "background" and by_kind["local"].learned_as == "local"
@@ -226,8 +229,9 @@ def test_the_transfer_tail_is_left_to_the_links_own_fit():
         c.observe(Outcome("disagg", "p1", "d1", 18.0, 0.7, predicted_transfer_s=17.0), now=0.0)
     assert c.snapshot().factor("ttft", "disagg", "p1", 0.0) == 1.0
     lagging = Corrections()  # the link slowed; its fit still says 20 ms
-    lagging.observe(Outcome("disagg", "p1", "d1", 1.3, 7.5, predicted_transfer_s=0.02), now=0.0)
-    factor = lagging.snapshot().factor("ttft", "disagg", "p1", 0.0)
+    lagging.observe(Outcome("disagg", "p1", "d1", 1.3, 7.5, predicted_transfer_s=0.02,
+                            ttft_learned_as="disagg" + LONG_PROMPT_KEY), now=0.0)
+    factor = lagging.snapshot().factor("ttft", "disagg" + LONG_PROMPT_KEY, "p1", 0.0)
     assert factor > 2.0
     remote = ctx(decode=replica("d1", **BUSY_STREAMS), slo=SLO(ttft_ms=60_000, tpot_ms=12))
     raw = decide(remote, EMPTY, now=0.0)

@@ -50,8 +50,9 @@ def test_auto_decides_from_predictions_with_reasons_from_the_closed_list_and_lea
     assert {r.route for r in result.records} == {"local", "disagg"}
     assert all(r.predicted_ttft_s is not None and r.predicted_ttft_s > 0 for r in result.records)
     state = sim.router.corrections.snapshot()
-    assert {"local", "disagg", "streams"} <= {key for _, key, _ in state.corrections} <= {"local", "disagg", "background",
-                                                                                      "streams"}
+    keys = {key for _, key, _ in state.corrections}
+    assert {"local", "disagg", "streams"} <= keys <= {"local", "disagg", "background", "streams",
+                                                      "local:long", "disagg:long", "background:long"}
     summary = result.summary()
     assert summary.prediction_error  # the load tester's own summary compares prediction with outcome
     assert sim.router.num_decisions == len(result.records)
