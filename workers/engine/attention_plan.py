@@ -6,9 +6,10 @@ Two shapes of work, both exact (every query attends exactly its own context):
   step's decodes are one sparse pattern over the cache's rows (row `slot * kv_heads + h`
   of a layer's flat `[num_slots * kv_heads, head_dim]` keys or values): query head h of
   sequence i scores the rows of its context's slots. A sampled matrix product computes
-  only those scores, a softmax per row, and a sparse-dense product sums the values, so
-  no KV is copied and the work is each sequence's own context, in a few calls for the
-  whole batch whatever its size (paged_attention.py).
+  only those scores, a softmax runs per row, and `embedding_bag` sums each row's values
+  weighted by the probabilities, so no KV is copied and the work is each sequence's own
+  context, in a few calls for the whole batch whatever its size (paged_attention.py).
+  Decodes that attend fewer than `IN_PLACE_MIN_TOKENS` in all go padded.
 - Padded (`PaddedGroup`): prompt chunks (and, where the cache cannot be read in place,
   decodes) are attended a group at a time in one SDPA call over their block tables padded
   to the group's longest, with a mask for the causal offset and the ragged lengths. Groups

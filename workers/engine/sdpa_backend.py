@@ -1,8 +1,9 @@
 """The torch attention backend (CPU and CUDA): reads the paged cache through plain torch
 ops, device-agnostic.
 
-`prepare` plans the step (attention_plan.py): decodes read their KV in place through
-sparse products, prompt chunks are attended a padded group per SDPA call. A captured decode
+`prepare` plans the step (attention_plan.py): decodes read their KV in place (a sampled
+matrix product and `embedding_bag`), prompt chunks are attended a padded group per SDPA
+call. A captured decode
 step (cuda_graphs.py) runs a fixed plan instead: one padded group over its static
 buffers, so the graph reads the block table's width of every row's KV (the price of a
 capturable shape), and `write_rows`, which points padding rows at a real row's K/V.
@@ -23,7 +24,7 @@ from workers.engine.attention_plan import (
 )
 from workers.engine.paged_attention import attend_padded, attend_sparse
 
-# Cache dtypes the in-place products (torch's sparse CSR matmuls) accept on every device.
+# Cache dtypes the in-place path takes: torch's CPU `sampled_addmm` refuses bfloat16 and float16.
 IN_PLACE_DTYPES = (torch.float32, torch.float64)
 
 
