@@ -3,10 +3,10 @@ ops, device-agnostic.
 
 `prepare` plans the step (attention_plan.py): decodes read their KV in place (a sampled
 matrix product and `embedding_bag`), prompt chunks are attended a padded group per SDPA
-call. A captured decode
-step (cuda_graphs.py) runs a fixed plan instead: one padded group over its static
-buffers, so the graph reads the block table's width of every row's KV (the price of a
-capturable shape), and `write_rows`, which points padding rows at a real row's K/V.
+call. A captured decode step (cuda_graphs.py) runs a fixed plan instead: one padded
+group over its static buffers, so the graph reads the block table's width of every row's
+KV (the price of a capturable shape), and `write_rows`, which points padding rows at a
+real row's K/V.
 """
 
 from __future__ import annotations
