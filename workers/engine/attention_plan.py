@@ -106,7 +106,7 @@ def padded_group(works: list[SeqWork], block_size: int, device: torch.device) ->
     max_len = max(w.query_len for w in works)
     max_blocks = -(-max(w.context_len for w in works) // block_size)
     query_index = [[w.query_start + min(j, w.query_len - 1) for j in range(max_len)] for w in works]
-    table = [w.block_ids[:max_blocks] + [0] * (max_blocks - len(w.block_ids[:max_blocks])) for w in works]
+    table = padded_table(works, max_blocks)
     rows = [i * max_len + j for i, w in enumerate(works) for j in range(w.query_len)]
     tokens = [w.query_start + j for w in works for j in range(w.query_len)]
     as_long = dict(dtype=torch.long, device=device)
@@ -115,6 +115,11 @@ def padded_group(works: list[SeqWork], block_size: int, device: torch.device) ->
     return PaddedGroup(torch.tensor(query_index, **as_long), torch.tensor(table, **as_long),
                        None if from_start else causal_mask(works, max_len, max_blocks * block_size, device),
                        torch.tensor(rows, **as_long), torch.tensor(tokens, **as_long), span)
+
+
+def padded_table(works: list[SeqWork], max_blocks: int) -> list[list[int]]:
+    """Each sequence's first `max_blocks` block ids, padded with block 0."""
+    return [w.block_ids[:max_blocks] + [0] * (max_blocks - len(w.block_ids[:max_blocks])) for w in works]
 
 
 def causal_mask(works: list[SeqWork], max_len: int, num_keys: int, device: torch.device) -> torch.Tensor:
@@ -167,8 +172,7 @@ class SparseDecode:
 
 def sparse_decode(works: list[SeqWork], block_size: int, device: torch.device) -> SparseDecode:
     max_blocks = -(-max(w.context_len for w in works) // block_size)
-    table = torch.tensor([w.block_ids[:max_blocks] + [0] * (max_blocks - len(w.block_ids[:max_blocks])) for w in works],
-                         dtype=torch.long, device=device)
+    table = torch.tensor(padded_table(works, max_blocks), dtype=torch.long, device=device)
     slot_grid = (table[:, :, None] * block_size + torch.arange(block_size, device=device)).flatten(1)
     as_long = dict(dtype=torch.long, device=device)
     return SparseDecode(torch.tensor([w.query_start for w in works], **as_long), slot_grid,
