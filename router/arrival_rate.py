@@ -52,22 +52,27 @@ class ArrivalRate:
 
     def rates(self, replica_id: str, now: float) -> tuple[float, ...]:
         """Each weight per second placed there over the last `window_s`."""
+        if not self._prune(replica_id, now):
+            return (0.0,) * self.num_weights
+        window = self.window_s
+        return tuple([total / window if total > 0.0 else 0.0 for total in self._sums[replica_id]])
+
+    def recent(self, replica_id: str, now: float) -> tuple[tuple[float, ...], ...]:
+        """The weights of each placement on `replica_id` over the last `window_s`, oldest first."""
+        return tuple(entry[1:] for entry in self._prune(replica_id, now))
+
+    def _prune(self, replica_id: str, now: float) -> deque[tuple[float, ...]]:
+        """The replica's placements still in the window (empty: none), the rest dropped."""
         entries = self._entries.get(replica_id)
         if not entries:
-            return (0.0,) * self.num_weights
+            return deque()
         sums = self._sums[replica_id]
         cutoff = now - self.window_s
         while entries and entries[0][0] < cutoff:
             _drop(entries.popleft(), sums)
         if not entries:
             sums[:] = [0.0] * self.num_weights  # no drift from float sums once empty
-        window = self.window_s
-        return tuple([total / window if total > 0.0 else 0.0 for total in sums])
-
-    def recent(self, replica_id: str, now: float) -> tuple[tuple[float, ...], ...]:
-        """The weights of each placement on `replica_id` over the last `window_s`, oldest first."""
-        self.rates(replica_id, now)  # drops what left the window
-        return tuple(entry[1:] for entry in self._entries.get(replica_id, ()))
+        return entries
 
     def rate(self, replica_id: str, now: float) -> float:
         """The first weight per second (requests per second, unweighted)."""
