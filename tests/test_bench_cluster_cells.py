@@ -147,6 +147,27 @@ def test_ratio_names_and_targets_of_a_whole_report():
     json.dumps(report)  # the whole report is JSON
 
 
+def test_the_repeat_spread_compares_the_same_request_across_repeats():
+    """Two repeats of the same trace: short-0 took 100 then 150 ms to its first token
+    (|a - b| / b both ways: 1/3 and 1/2), short-1 100 both times (0 and 0), short-2
+    completed once; the figure is the median of the four. Every `auto` configuration pools into `auto*`, whose
+    figure per workload is a ratio beside the prediction error."""
+    from cluster.bench.cluster_report import spread_ratios
+    from cluster.bench.repeat_spread import repeat_spread, spread_by_config
+
+    first = [rec("short-0", 100, 20), rec("short-1", 100, 20), rec("short-2", 100, 20)]
+    second = [rec("short-0", 150, 20), rec("short-1", 100, 20), rec("short-2", 100, 20, ok=False)]
+    spread = repeat_spread([first, second])
+    assert spread == {"ttft": pytest.approx((0 + 1 / 3) / 2, abs=1e-4), "ttft_samples": 4, "tpot": 0.0, "tpot_samples": 4}
+    assert repeat_spread([first]) == {}  # one repeat: nothing to compare
+    runs = {"colocated": [fake_run(first), fake_run(second)], "auto": [fake_run(first), fake_run(first)],
+            "auto_tight": [fake_run(first), fake_run(second)]}
+    by_config = spread_by_config(runs)
+    assert by_config["auto"]["ttft"] == 0.0 and by_config["auto*"]["ttft_samples"] == 6 + 4
+    assert spread_ratios({"mixed": by_config}) == {"repeat_spread_ttft_auto_mixed": by_config["auto*"]["ttft"],
+                                                   "repeat_spread_tpot_auto_mixed": 0.0}
+
+
 def test_disagg_hurts_is_long_enough_with_fifteen_long_prompts_each_side_of_the_fault():
     w = disagg_hurts(B)
     rows = w.rows()

@@ -12,6 +12,7 @@ from cluster.bench.cluster_scenarios import (
     score_load_shift,
     shift_at_s,
 )
+from cluster.bench.repeat_spread import spread_by_config
 from cluster.bench.slo_cells import (
     BALANCED,
     CELLS,
@@ -41,6 +42,7 @@ def build_report(baseline, workloads: dict, runs: dict, scenarios: dict, overhea
     scored = score_scenarios(baseline, scenarios)
     prediction = prediction_block(runs, scenarios)
     ratios = legacy_ratios(results, overhead)
+    ratios.update(spread_ratios(prediction["repeat_spread"]))
     for name, by_cell in cells.items():
         ratios.update(cell_ratios(name, by_cell))
     ratios.update(scenario_ratios(scored))
@@ -162,7 +164,8 @@ def prediction_block(runs: dict, scenarios: dict) -> dict:
             "router_side_by_source": {name: pool_errors([r.prediction_error for r in rs])
                                       for name, rs in by_source.items()},
             "client_side": prediction_error([rec for r in every for rec in r.records]),
-            "num_auto_runs": len(every)}
+            "num_auto_runs": len(every),
+            "repeat_spread": {name: spread_by_config(by_config) for name, by_config in runs.items()}}
 
 
 def pool_errors(blocks: list[dict | None]) -> dict[str, dict]:
@@ -197,6 +200,14 @@ def prediction_ratios(router_side: dict) -> dict[str, float]:
             for route, block in router_side.items() for metric in PREDICTION_TARGETS if f"{metric}_mape" in block}
 
 
+def spread_ratios(spread: dict) -> dict[str, float]:
+    """Per workload, how far the same request landed apart between repeats of the `auto`
+    configurations (`repeat_spread`): the machine's floor under the prediction error."""
+    return {f"repeat_spread_{metric}_auto_{name}": by_config["auto*"][metric]
+            for name, by_config in spread.items() for metric in PREDICTION_TARGETS
+            if metric in by_config.get("auto*", {})}
+
+
 def _prediction_limits(ratios: dict) -> dict[str, tuple[str, float]]:
     return {key: ("<=", limit) for key in ratios for metric, limit in PREDICTION_TARGETS.items()
             if key.startswith(f"prediction_{metric}_mape_")}
@@ -229,6 +240,10 @@ def print_report(result: dict, console) -> None:
             cells.add_row(name, cell, *(str(good.get(c, "-")) for c in ("colocated", "disagg", "threshold", "auto")),
                           block["best"], str(block["met"]))
     console.print(cells)
+    for name, by_config in result["prediction"].get("repeat_spread", {}).items():
+        spread = ", ".join(f"{config} TTFT {b.get('ttft', '-')} TPOT {b.get('tpot', '-')}"
+                           for config, b in by_config.items())
+        console.print(f"{name}: the same request between repeats lands apart by (median) {spread}")
     for key, target in result["targets"].items():
         verdict = {True: "met", False: "MISSED", None: "not judged"}[target["met"]]
         console.print(f"{key}: {target['value']} (target {target['target']}: {verdict})")
