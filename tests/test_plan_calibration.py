@@ -18,7 +18,7 @@ from cluster.loadtest.client import RequestRecord
 from cluster.loadtest.report import _ms_row
 from cluster.plan.calibrate import CalibrationError, Overrides, from_records, from_runs
 from cluster.plan.calibration import Calibration
-from cluster.plan.fit import HOLD_OUT_EVERY, fit_and_score, split_held_out
+from cluster.plan.fit import HOLD_OUT_EVERY, fit_and_score, same_shape_spread, split_held_out
 from cluster.plan.overhead import engine_ttft_s
 from cluster.plan.records import (
     RecordSet,
@@ -107,6 +107,27 @@ def test_records_with_cpu_time_score_the_work_apart_from_the_wait_for_a_core():
     got = [step.fixed_s, step.prefill_token_s, step.prefill_attention_s, step.decode_seq_s, step.decode_context_s]
     assert np.allclose(got, np.array(TRUE) * 1.3, rtol=0.08), got
     assert fit_and_score(_steps(400))[1].work_median_relative_error is None  # no CPU time, no work score
+
+
+def test_steps_alike_scatter_is_the_floor_no_step_model_can_beat():
+    """Six shapes, each run 20 times with its wall time at 1, 1.5 or 2 times its work (a
+    core free, half free, taken): a step model sees each shape as one point. The median
+    error is least at c = 12/7 of the work, where the middle and the slow steps are both
+    1/7 off; a shape seen fewer than five times does not count."""
+    steps = []
+    for shape in range(6):
+        for i in range(20):
+            r = StepRecord(start_time=float(len(steps)), step_time_s=0.01 * (1 + shape) * (1.0, 1.5, 2.0)[i % 3],
+                           num_prefill_tokens=0, num_decode_seqs=1 + shape, num_context_tokens=100 * (1 + shape),
+                           num_running=1 + shape, num_waiting=0)
+            steps.append(ReplicaStep("d0", "decode", r))
+    lone = StepRecord(start_time=999.0, step_time_s=0.05, num_prefill_tokens=64, num_decode_seqs=0,
+                      num_context_tokens=64, num_running=1, num_waiting=0)
+    random.Random(5).shuffle(steps)
+    spread, share = same_shape_spread([*steps, ReplicaStep("d0", "decode", lone)])
+    assert spread == pytest.approx(1 / 7, abs=0.005) and share == pytest.approx(120 / 121)
+    assert fit_and_score(steps)[1].same_shape_spread == pytest.approx(spread)
+    assert same_shape_spread(steps[:4]) == (None, None)
 
 
 def test_held_out_records_are_never_fitted():

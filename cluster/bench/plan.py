@@ -247,6 +247,7 @@ def build_report(validation: dict, loads: dict, opts: PlanBenchOptions) -> dict:
             ratios[f"{workload}_{name}_load{pct}_{figure}_error"] = row["figures"][figure]["error"]
     for name, c in validation["calibrations"].items():  # the step model's work alone, and the node's wait
         ratios[f"held_out_work_error_{name}"] = c.get("held_out_work_median_error")
+        ratios[f"same_shape_step_spread_{name}"] = c.get("same_shape_spread")
         ratios[f"run_wait_share_{name}"] = c.get("run_wait_share")
     targets = _targets(results, validation, opts)
     return {"results": results, "ratios": ratios, "targets": targets, "rankings": validation["rankings"],

@@ -139,10 +139,12 @@ def fit_and_score(steps: Sequence[ReplicaStep], every: int = HOLD_OUT_EVERY) -> 
     c = fit_steps(fitted)
     errors = relative_errors(c, held_out)
     work_error, wait_share = score_work(fitted, held_out)
+    spread, share = same_shape_spread(fitted + held_out)
     quality = FitQuality(median_relative_error=float(np.median(errors)),
                          p90_relative_error=float(np.percentile(errors, 90)),
                          num_fitted=len(fitted), num_held_out=len(held_out),
-                         work_median_relative_error=work_error, run_wait_share=wait_share)
+                         work_median_relative_error=work_error, run_wait_share=wait_share,
+                         same_shape_spread=spread, same_shape_share=share)
     return StepModel.of(c), quality
 
 
@@ -160,6 +162,46 @@ def score_work(fitted: Sequence[ReplicaStep], held_out: Sequence[ReplicaStep]) -
     predicted = np.maximum(MIN_STEP_S, (held_a @ c) * (1.0 + kappa * held_busy))
     wait = np.array([s.record.run_wait_s for s in held_out])
     return float(np.median(np.abs(predicted - held_cpu) / held_cpu)), float(wait.mean() / held_cpu.mean())
+
+
+SAME_SHAPE_MIN = 5  # steps alike before their scatter counts
+CONTEXT_BIN = 1.05  # decode context tokens alike within 5%
+RATE_BIN = 1.10  # the node's decode rate alike within 10%
+
+
+def same_shape_spread(steps: Sequence[ReplicaStep]) -> tuple[float | None, float | None]:
+    """(the median over steps of |t - c| / t, c the time that makes that error least over
+    the steps of the same shape; the share of `steps` in a group of at least
+    `SAME_SHAPE_MIN`), or (None, None) with no such group. Alike: the same role, prompt
+    tokens and decode sequences, busy neighbours within 0.1, decode context within 5%
+    and the node's decode rate within 10%. That is what the step model reads, so any
+    such model prices steps alike the same, and on these records it errs at least about
+    this much: the scatter of the node's wait for a core, on a shared machine."""
+    groups: dict[tuple, list[float]] = {}
+    for s in steps:
+        if not has_work(s.record):
+            continue
+        f = step_features(s.record)
+        key = (s.role, f.prefill_tokens, f.decode_seqs, round(f.node_busy, 1), _bin(f.decode_context_tokens, CONTEXT_BIN),
+               _bin(s.node_decode_rate, RATE_BIN))
+        groups.setdefault(key, []).append(s.record.step_time_s)
+    errors = [e for times in groups.values() if len(times) >= SAME_SHAPE_MIN for e in _best_constant_errors(times)]
+    if not errors:
+        return None, None
+    return float(np.median(errors)), len(errors) / sum(len(t) for t in groups.values())
+
+
+def _best_constant_errors(times: list[float], num_candidates: int = 64) -> np.ndarray:
+    """|t - c| / t of each time, at the c that makes their median least (searched over
+    `num_candidates` points between the least and the greatest time, geometrically)."""
+    t = np.asarray(times)
+    candidates = np.geomspace(t.min(), t.max(), num_candidates) if t.max() > t.min() else t[:1]
+    errors = np.abs(t[None, :] - candidates[:, None]) / t[None, :]
+    return errors[int(np.argmin(np.median(errors, axis=1)))]
+
+
+def _bin(x: float, width: float) -> int:
+    return 0 if x <= 0 else 1 + round(np.log(x) / np.log(width))
 
 
 def fit_transfers(transfers: Sequence[ReplicaTransfer]) -> tuple[TransferModel, str]:

@@ -263,6 +263,7 @@ def _describe(c: Calibration) -> dict:
             "held_out_median_error": round(c.quality.median_relative_error, 4),
             "held_out_work_median_error": _round(c.quality.work_median_relative_error),
             "run_wait_share": _round(c.quality.run_wait_share),
+            "same_shape_spread": _round(c.quality.same_shape_spread),
             "num_step_records": c.quality.num_fitted + c.quality.num_held_out,
             "request_overhead_ms": round(c.request_overhead_s * 1e3, 3),
             "frontend_ms": {"request": _ms(c.frontend_request_s), "chunk": _ms(c.frontend_chunk_s)},
