@@ -63,14 +63,18 @@ class PolicyLearner:
 
     def prediction_error(self) -> dict[str, dict[str, float | int]]:
         """Over the recent requests (since the last reset): per route, the median absolute
-        percentage error of the TTFT and TPOT predictions the headers carried, and counts."""
+        percentage error of the TTFT and TPOT predictions the headers carried, the median
+        of measured / predicted (`_bias`: above 1, the predictions were optimistic), and
+        counts."""
         out: dict[str, dict[str, float | int]] = {}
         for route in sorted({r for r, *_ in self.recent}):
             for metric in ("ttft", "tpot"):
-                errors = [abs(p - m) / m for r, k, p, m in self.recent if r == route and k == metric and m > 0]
-                if errors:
-                    out.setdefault(route, {})[f"{metric}_mape"] = round(statistics.median(errors), 4)
-                    out[route][f"{metric}_samples"] = len(errors)
+                pairs = [(p, m) for r, k, p, m in self.recent if r == route and k == metric and m > 0 and p > 0]
+                if pairs:
+                    block = out.setdefault(route, {})
+                    block[f"{metric}_mape"] = round(statistics.median(abs(p - m) / m for p, m in pairs), 4)
+                    block[f"{metric}_bias"] = round(statistics.median(m / p for p, m in pairs), 4)
+                    block[f"{metric}_samples"] = len(pairs)
         return out
 
     def describe(self, view: ClusterView) -> dict[str, Any]:

@@ -240,6 +240,9 @@ def test_router_side_errors_pool_as_the_sample_weighted_median():
     pooled = pool_errors([{"disagg": {"ttft_mape": 0.2, "ttft_samples": 3}},
                           None, {"disagg": {"ttft_mape": 0.1, "ttft_samples": 2, "tpot_mape": 0.05, "tpot_samples": 2}}])
     assert pooled == {"disagg": {"ttft_mape": 0.2, "ttft_samples": 5, "tpot_mape": 0.05, "tpot_samples": 2}}
+    leaning = pool_errors([{"local": {"ttft_mape": 0.2, "ttft_bias": 1.2, "ttft_samples": 3}},
+                           {"local": {"ttft_mape": 0.1, "ttft_bias": 0.9, "ttft_samples": 1}}])
+    assert leaning == {"local": {"ttft_mape": 0.2, "ttft_bias": 1.2, "ttft_samples": 4}}
 
 
 def test_trace_rows_name_their_class_workload_and_the_load_tester_sends_it(tmp_path):

@@ -169,8 +169,9 @@ def prediction_block(runs: dict, scenarios: dict) -> dict:
 
 
 def pool_errors(blocks: list[dict | None]) -> dict[str, dict]:
-    """`{route: {ttft_mape, ttft_samples, tpot_mape, tpot_samples}}` of several runs
-    into one: the sample-weighted median of their medians, and the samples summed."""
+    """`{route: {ttft_mape, ttft_bias, ttft_samples, tpot_...}}` of several runs into one:
+    the sample-weighted median of their medians (`_bias` where the runs reported it), and
+    the samples summed."""
     blocks = [b for b in blocks if b]
     out: dict[str, dict] = {}
     for route in sorted({route for b in blocks for route in b}):
@@ -178,9 +179,14 @@ def pool_errors(blocks: list[dict | None]) -> dict[str, dict]:
             pairs = [(b[route][f"{metric}_mape"], b[route][f"{metric}_samples"]) for b in blocks
                      if f"{metric}_mape" in b.get(route, {})]
             value = weighted_median(pairs)
-            if value is not None:
-                out.setdefault(route, {})[f"{metric}_mape"] = value
-                out[route][f"{metric}_samples"] = sum(n for _, n in pairs)
+            if value is None:
+                continue
+            out.setdefault(route, {})[f"{metric}_mape"] = value
+            out[route][f"{metric}_samples"] = sum(n for _, n in pairs)
+            bias = weighted_median([(b[route][f"{metric}_bias"], b[route][f"{metric}_samples"]) for b in blocks
+                                    if f"{metric}_bias" in b.get(route, {})])
+            if bias is not None:
+                out[route][f"{metric}_bias"] = bias
     return out
 
 
