@@ -96,6 +96,8 @@ def test_admin_policy_shows_models_and_corrections_and_resets(client):
     assert entry["factor"] > 0 and entry["num_samples"] >= 1 and entry["updated_at"] > 0
     assert any("*" in t for t in transfers if t), transfers
     assert policy["settings"]["default_slo"] == {"ttft_ms": 2000.0, "tpot_ms": 200.0}
+    errors = policy["prediction_error"]  # the answering replica's: it learned, so it measured
+    assert errors and all(b["ttft_bias"] > 0 and b["ttft_samples"] >= 1 for b in errors.values()), errors
     reset = client.post("/admin/policy/reset", headers=auth).json()
     assert reset["reset_at"] is not None
     assert not any(r.get("corrections") for r in reset["replicas"].values()), reset
