@@ -77,8 +77,8 @@ def candidates(ctx: RouteContext) -> list[Candidate]:
     req, d = ctx.shape, ctx.decode
     d_queue = drain(d)  # priced once: every candidate looks at it
     out = [predict.local(req, d, ctx.num_cached_tokens, d_queue)]
-    chunk_slo_s = stream_slo_s(ctx, predict.expected_gap_s(d), per_step=True)[0]
-    slow = predict.background(req, d, ctx.num_cached_tokens, chunk_slo_s, d_queue)
+    slow = predict.background(req, d, ctx.num_cached_tokens, stream_slo_s(ctx, predict.expected_gap_s(d))[0],
+                              d_queue)
     if slow is not None:
         out.append(slow)
     if ctx.num_healthy_prefill > 0:  # `auto` drops them when the decode replica has no room
@@ -89,15 +89,15 @@ def candidates(ctx: RouteContext) -> list[Candidate]:
     return out
 
 
-def stream_slo_s(ctx: RouteContext, floor_s: float = 0.0, per_step: bool = False) -> tuple[float, int]:
+def stream_slo_s(ctx: RouteContext, floor_s: float = 0.0) -> tuple[float, int]:
     """The mean gap the streams on the decode replica still in reach can afford, and how
     many are past reach (`predict.stream_objective_s`: those that need less than `floor_s`,
-    the gap they see with nothing added; `per_step`: a gap every step keeps); this
-    workload's TPOT objective where no stream's allowance is known."""
+    the gap they see with nothing added); this workload's TPOT objective where no stream's
+    allowance is known."""
     default = ctx.slo.tpot_ms / 1000.0
     if ctx.decode is None:
         return default, 0
-    return predict.stream_objective_s(ctx.decode, default, floor_s, per_step)
+    return predict.stream_objective_s(ctx.decode, default, floor_s)
 
 
 def corrected(candidate: Candidate, state: LearnedState, now: float) -> Prediction:

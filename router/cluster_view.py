@@ -108,7 +108,7 @@ class ClusterView:
         per_stream = base.stream_context / base.num_streams if base.num_streams else 0.0
         incoming, incoming_context = self.incoming_soon(rid, now)
         context = base.stream_context + (decoding - base.num_streams) * per_stream + incoming_context
-        allowances, lefts = self.stream_budgets(rid, now)
+        allowances = self.stream_allowances(rid, now)
         queued = self.queued_here(rid)
         node_busy = float(self.node_busy(replica)) if base.coefficients.node_contention > 0 else 0.0
         prompt_tokens, prompt_work = self.prompts.rates(rid, now) if now is not None else (0.0, 0.0)
@@ -120,7 +120,7 @@ class ClusterView:
             background_work=max(self.background_backlog_work.get(rid, 0), base.background_work),
             background_chunk_tokens=base.background_chunk_tokens or self._background_chunk(rid),
             num_streams=decoding + incoming, stream_context=int(context),
-            num_requests=self.load(replica), stream_allowances=allowances, stream_lefts=lefts,
+            num_requests=self.load(replica), stream_allowances=allowances,
             queued_streams=queued[0], queued_context=queued[1],
             queued_tokens_left=queued[2] / queued[0] if queued[0] else 0.0,
             overdue=self.overdue_of(rid, now) if now is not None else {},
@@ -133,17 +133,10 @@ class ClusterView:
         """Ascending: the mean gap each of this router's streams on `replica_id` with a TPOT
         objective can still afford (`Placement.tpot_allowance`), 0 for one already past
         reach; () when it has none there."""
-        return self.stream_budgets(replica_id, now)[0]
-
-    def stream_budgets(self, replica_id: str, now: float | None) -> tuple[tuple[float, ...], tuple[float, ...]]:
-        """`stream_allowances`, and the tokens each of those streams has left in the same
-        order (`Placement.tokens_left`)."""
         placements = self.slo_streams.get(replica_id)
         if not placements:
-            return (), ()
-        pairs = sorted((p.tpot_allowance(now) or 0.0, p.tokens_left())
-                       for p in placements.values() if p.tpot_slo_s is not None)
-        return tuple(a for a, _ in pairs), tuple(left for _, left in pairs)
+            return ()
+        return tuple(sorted(p.tpot_allowance(now) or 0.0 for p in placements.values() if p.tpot_slo_s is not None))
 
     def queued_here(self, replica_id: str) -> tuple[int, int, int]:
         """(sequences, their prompt tokens, tokens they will generate) of this router's

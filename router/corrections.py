@@ -4,10 +4,9 @@ measured TTFT and TPOT sat from what the step models predicted.
 For every finished request the router calls `Corrections.observe` with the route taken,
 its uncorrected prediction and what happened (router-side: arrival to first token, so
 the HTTP hop before the router is not charged to the model; TPOT for requests of two or
-more tokens). A correction factor (measured / predicted, smoothed on the log scale, fast
-for TTFT and slowly for TPOT: `SMOOTHING`) then rescales later predictions for that
-replica and route, so a slow prefill pool, a slow network or a cold transfer path shows
-up in the predictions within a few requests.
+more tokens). A correction factor (measured / predicted, smoothed on the log scale)
+then rescales later predictions for that replica and route, so a slow prefill pool, a
+slow network or a cold transfer path shows up in the predictions within a few requests.
 Background prefills keep factors of their own (`Candidate.learned_as`): a foreground
 one's errors say little about theirs. So do long prompts' TTFT (`Candidate.ttft_learned_as`,
 key `<route>:long` from `predict.LONG_PROMPT_TOKENS` computed tokens): a short prompt's
@@ -66,15 +65,7 @@ Metric = Literal["ttft", "tpot"]
 # where it decodes; learned as its route, a background prefill apart (`Candidate.learned_as`)
 Key = tuple[str, str, str]
 
-# The least weight of the newest measurement on the log scale, per metric. Until a factor
-# has that many samples it is their running mean beside one sample of the model's own
-# view (the first moves it half way, the second a third). A TTFT factor moves fast: a
-# slow prefill pool or KV path shows there first. A request's TPOT scatters with what
-# lands beside it after it was placed (0.28-0.33 off, median, on two shared cores), and a
-# factor that followed each outcome half way swung by about 20% from one request to the
-# next: the TPOT predictions' spread then told nothing of the TPOTs' (the slope of
-# log measured on log predicted was 0.1-0.26 over four bench cluster runs).
-SMOOTHING = {"ttft": 0.5, "tpot": 0.15}
+SMOOTHING = 0.5  # weight of the newest measurement on the log scale (the first one moves the factor half way)
 MAX_RATIO = 8.0  # one measurement counts as at most this ratio either way
 HALF_LIFE_S = 60.0
 RESIDUALS = 128  # per metric and route: the recent measured / corrected ratios kept
@@ -198,8 +189,7 @@ class Corrections:
             return
         ratio = min(max(measured / predicted, 1.0 / MAX_RATIO), MAX_RATIO)
         old = self._corrections.get(key, Correction())
-        weight = max(SMOOTHING[key[0]], 1.0 / (old.num_samples + 2))
-        log_factor = (1.0 - weight) * old.log_factor + weight * math.log(ratio)
+        log_factor = (1.0 - SMOOTHING) * old.log_factor + SMOOTHING * math.log(ratio)
         self._corrections[key] = Correction(log_factor, old.num_samples + 1, now)
 
     def snapshot(self) -> LearnedState:

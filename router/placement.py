@@ -84,13 +84,6 @@ class Placement:
         budget = self.tpot_slo_s * (self.max_tokens - 1) - (now - self.first_token_at)
         return budget / left if budget > 0 else None
 
-    def tokens_left(self) -> float:
-        """The tokens each of its streams still has to generate (all of them before the
-        first token is back)."""
-        if self.first_token_at is None:
-            return float(self.max_tokens)
-        return max(0.0, self.max_tokens - self.tokens_back / max(1, self.num_sequences))
-
 
 def place(view: ClusterView, prompt_ids: list[int], max_tokens: int, profile: WorkloadProfile,
           forced_mode: str | None, offload_to_prefill: bool = True, work: RequestWork = PLAIN,

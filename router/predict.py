@@ -34,8 +34,8 @@ A stream's TPOT is its mean gap over the tokens it has left, so the prediction f
 streams beside a prefill averages the slower mixed steps into the rest of their life,
 and it is held to what the tightest of them still in reach can afford
 (`stream_objective_s`: a stream's objective less what its gaps so far already took,
-spread over its tokens left, is the stall it can absorb; one that cannot make it even
-with nothing added is past reach and sets nothing); a decode step there is the expected gap (`expected_gap_s`):
+spread over its tokens left; one that cannot make it even with nothing added is past
+reach and sets nothing); a decode step there is the expected gap (`expected_gap_s`):
 the step of the moment blended with the gap the replica's streams saw lately.
 
 Replicas of one machine share its cores and memory bandwidth: a `ReplicaLoad`'s step
@@ -281,31 +281,18 @@ def _on_decode_replica(kind: Kind, req: RequestShape, d: ReplicaLoad, prefill: D
                      joining_streams=d.arrival_rate * prefill.own_s, computed_tokens=computed_tokens)
 
 
-def stream_objective_s(d: ReplicaLoad, default_s: float, floor_s: float, per_step: bool = False) -> tuple[float, int]:
-    """The mean gap over `d.stream_tokens_left` tokens (what `_streams_tpot` predicts) that
-    keeps every stream on `d` still in reach inside its objective, and how many of them
-    are past reach. A stream whose allowance is below `floor_s` (the gap it sees with
-    nothing added, `expected_gap_s`) misses its objective whatever is placed beside it:
-    it neither sets the others' objective nor counts as lost to any one route.
-
-    A stream can absorb `left * (allowance - floor_s)` seconds of slower steps over the
-    tokens it has left: one that just started (allowance at its objective, every token
-    left) takes a long prefill's stall spread thin, one near its end with the same
-    allowance far less. The tightest of those, spread over the mean tokens left, is the
-    objective; with the tokens left unknown, or `per_step` (a gap every step must keep,
-    as a background prefill's chunk does for as long as it runs), the least allowance.
-    `default_s` (this workload's objective) where no stream's allowance is known;
-    infinity when none is in reach."""
+def stream_objective_s(d: ReplicaLoad, default_s: float, floor_s: float) -> tuple[float, int]:
+    """The mean gap the streams on `d` still in reach can afford, and how many of them are
+    past reach. A stream whose allowance is below `floor_s` (the gap it sees with nothing
+    added, `expected_gap_s`) misses its objective whatever is placed beside it: it neither
+    sets the others' objective nor counts as lost to any one route. `default_s` (this
+    workload's objective) where no stream's allowance is known; infinity when none is in
+    reach."""
     allowances = d.stream_allowances
     if not allowances:
         return default_s, 0
     past = bisect.bisect_left(allowances, floor_s)
-    if past == len(allowances):
-        return math.inf, past
-    if per_step or len(d.stream_lefts) != len(allowances):
-        return allowances[past], past
-    slack_s = min(left * (a - floor_s) for a, left in zip(allowances[past:], d.stream_lefts[past:], strict=True))
-    return floor_s + slack_s / max(d.stream_tokens_left, 1.0), past
+    return (allowances[past] if past < len(allowances) else math.inf), past
 
 
 def background_chunk(req: RequestShape, d: ReplicaLoad, stream_tpot_slo_s: float) -> int:

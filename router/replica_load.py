@@ -38,9 +38,6 @@ class ReplicaLoad:
     # tokens it has left and meet its TPOT objective (its objective before its first token;
     # 0: past its budget already); () where it has none
     stream_allowances: tuple[float, ...] = ()
-    # the tokens each of those streams has left, in the same order; () where unknown (each
-    # is then taken to have `stream_tokens_left`)
-    stream_lefts: tuple[float, ...] = ()
     # prompts queued here in the foreground that decode here too: they become streams
     # before a prompt queued now gets its chunks
     queued_streams: int = 0

@@ -58,57 +58,6 @@ def test_the_objective_is_the_least_allowance_still_in_reach(allowances, floor, 
     assert predict.stream_objective_s(replica("d1", stream_allowances=allowances), 0.05, floor) == expected
 
 
-def test_a_stream_absorbs_a_stall_over_the_tokens_it_has_left():
-    """Two streams allowed 12 ms beside a 9 ms gap, the replica's streams 10 tokens from
-    their end on average: one that just started (40 tokens left) absorbs 40 x 3 ms of
-    slower steps, one with 4 left only 4 x 3 ms. The prediction is a mean gap over the 10
-    tokens, so the objective is the tightest stall spread over those 10."""
-    def objective(lefts: tuple[float, ...]) -> tuple[float, int]:
-        d = replica("d1", stream_allowances=(0.012, 0.012), stream_lefts=lefts, stream_tokens_left=10.0)
-        return predict.stream_objective_s(d, 0.05, 0.009)
-
-    assert objective((40.0, 40.0)) == pytest.approx((0.009 + 40 * 0.003 / 10, 0))
-    assert objective((4.0, 40.0)) == pytest.approx((0.009 + 4 * 0.003 / 10, 0))
-    assert objective((10.0, 10.0)) == pytest.approx((0.012, 0))  # every stream at the mean: its allowance
-    assert objective(()) == (0.012, 0)  # tokens left unknown: the least allowance
-    d = replica("d1", stream_allowances=(0.012, 0.012), stream_lefts=(40.0, 40.0), stream_tokens_left=10.0)
-    assert predict.stream_objective_s(d, 0.05, 0.009, per_step=True) == (0.012, 0)  # a gap every step keeps
-
-
-def test_fresh_streams_let_a_prompt_prefill_beside_them():
-    """Four streams yet to decode their 32 tokens (allowance: their 20 ms objective) on a
-    replica whose decoding streams have 5 tokens left on average. A 1,500-token prefill's
-    stall spread over those 5 tokens is 37 ms a token, against 20, and the prompt would go
-    remote (in a live run, short prompts then queued behind a 1,470-token prefill); spread
-    over each fresh stream's 32 tokens it is a few ms, and local meets."""
-    streams = {"num_streams": 4, "stream_context": 4 * 200, "stream_tokens_left": 5.0}
-    fresh = replica("d1", stream_allowances=(0.020,) * 4, stream_lefts=(32.0,) * 4, **streams)
-    unknown = replica("d1", stream_allowances=(0.020,) * 4, **streams)
-    slo = SLO(ttft_ms=2000, tpot_ms=20)
-    local = predict.local(ctx(prompt_len=1500, slo=slo, decode=fresh).shape, fresh, 0)
-    assert local.prediction.streams_tpot_s == pytest.approx(0.0372, rel=0.02)
-    assert score(ctx(prompt_len=1500, slo=slo, decode=fresh), local, local.prediction).meets
-    assert not score(ctx(prompt_len=1500, slo=slo, decode=unknown), local, local.prediction).meets
-
-
-def test_the_view_pairs_each_streams_allowance_with_the_tokens_it_has_left():
-    view = ClusterView(block_size=16, max_num_seqs=8)
-    view.update([ReplicaInfo("d1", "decode")])
-    local = WorkloadProfile(mode="local")
-    placed = []
-    for tpot_ms, max_tokens in ((50, 17), (20, 33)):
-        inputs = PolicyInputs(slo=SLO(ttft_ms=1000, tpot_ms=tpot_ms), now=10.0)
-        p = place(view, [1] * 40, max_tokens, local, None, offload_to_prefill=False, inputs=inputs)
-        view.begin(p)
-        placed.append(p)
-    d = view.replicas["d1"]
-    load = view.load_of(d, now=10.0)  # before their first tokens: every token left
-    assert (load.stream_allowances, load.stream_lefts) == (pytest.approx((0.020, 0.050)), (33.0, 17.0))
-    view.prefill_done(placed[0], now=11.0, num_tokens=1)
-    view.streamed(placed[0], 4)
-    assert view.load_of(d, now=11.0).stream_lefts == (33.0, 12.0)  # the first token and 4 more back
-
-
 def test_without_allowances_the_workloads_objective_stands():
     assert predict.stream_objective_s(replica("d1"), 0.05, 0.009) == (0.05, 0)
 

@@ -18,7 +18,7 @@ def test_the_streams_beside_every_candidate_are_rescaled_alike():
     holds (its chunks slow the replica for seconds)."""
     corrections = Corrections()
     corrections.observe(Outcome("local", "d1", "d1", 0.3, 0.3, 0.030, 0.060), now=0.0)
-    corrections.observe(Outcome("local", "d1", "d1", 0.3, 0.3, 0.030, 0.0075, learned_as="background"), now=0.0)
+    corrections.observe(Outcome("local", "d1", "d1", 0.3, 0.3, 0.030, 0.015, learned_as="background"), now=0.0)
     state = corrections.snapshot()
     local_f, background_f, streams_f = (state.factor("tpot", key, "d1", 0.0) for key in ("local", "background", "streams"))
     assert background_f < streams_f < 1.0 < local_f
