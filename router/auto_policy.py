@@ -16,7 +16,7 @@ waiting on the same route and replica is (`ReplicaLoad.overdue`):
 A candidate meets the SLO when its TTFT and this request's TPOT meet the workload's and
 the TPOT the streams beside it will see meets theirs: what the tightest of them still in
 reach can afford. A stream that would miss its objective even with nothing added beside
-it (it needs a smaller gap than the replica's expected one) is past reach: it neither
+it (it needs a smaller gap than the replica's decode step) is past reach: it neither
 sets the others' objective (one such stream made every route look as if it broke all of
 them, and sized background chunks at one token) nor counts as lost to any route. The
 candidate that loses the least expected goodput wins (this request, plus each stream
@@ -150,10 +150,17 @@ def score(ctx: RouteContext, candidate: Candidate, prediction: Prediction, state
 def _streams_objective(ctx: RouteContext, candidate: Candidate, state: LearnedState,
                        now: float) -> tuple[float, int]:
     """`stream_slo_s` as this candidate's corrected predictions see the streams: past reach
-    below the gap they would see with nothing added, rescaled as the streams' TPOT is."""
+    below the gap they would see with nothing added, rescaled as the streams' TPOT is.
+
+    Nothing added is the replica's decode step alone, not its expected gap: that one
+    counts the prompts that stalled the streams lately, which are what the routes decide
+    now. Held to the expected gap, a replica whose recent local prefills had stretched
+    its gaps past a tight objective had every stream past reach; a 1,496-token prompt
+    then cost no stream anything locally and prefilled there, and the streams after it
+    decoded at 40-90 ms a token against 26 (bench cluster run AY, tight_tpot)."""
     if not candidate.num_streams or ctx.decode is None:
         return math.inf, 0
-    floor = predict.expected_gap_s(ctx.decode) * state.factor("tpot", STREAMS, candidate.decode_replica, now)
+    floor = predict.decode_step_s(ctx.decode) * state.factor("tpot", STREAMS, candidate.decode_replica, now)
     return stream_slo_s(ctx, floor)
 
 

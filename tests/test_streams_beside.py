@@ -162,3 +162,17 @@ def test_of_routes_that_all_meet_the_one_that_leaves_the_most_requests_a_margin_
     lone = [score(alone, dataclasses.replace(c, num_streams=0), dataclasses.replace(c.prediction, streams_tpot_s=0.0))
             for kind, c in routes.items() if kind != "background"]
     assert best(lone).candidate.kind == "local"
+
+
+def test_streams_stretched_by_recent_prompts_are_still_protected_from_the_next():
+    """Eight streams whose gaps were 33 ms lately (prompts prefilled beside them), where
+    the decode step alone is 9 ms, allowed 20 ms a token for the rest of their output:
+    they make it if nothing more stalls them, so they are not past reach, and a
+    1,500-token prompt prefills remote rather than beside them."""
+    slo = SLO(ttft_ms=20_000, tpot_ms=26)
+    stretched = replica("d1", stream_allowances=(0.020,) * 8, recent_gap_s=0.033, **BUSY_STREAMS)
+    context = ctx(prompt_len=1500, slo=slo, decode=stretched)
+    loss = {c.kind: score(context, c, c.prediction).loss for c in candidates(context)}
+    assert loss["local"] > loss["remote"] > 1.0 + 8 * 0.25  # the eight streams count on both
+    decision = decide(context)
+    assert (decision.route, decision.candidate.kind) == ("disagg", "remote")
