@@ -20,8 +20,7 @@ it (it needs a smaller gap than the replica's decode step) is past reach: it nei
 sets the others' objective (one such stream made every route look as if it broke all of
 them, and sized background chunks at one token) nor counts as lost to any route. The
 candidate that loses the least expected goodput wins (this request, plus each stream
-beside it, plus, where the streams' predicted TPOT misses the workload's objective, each
-request expected to arrive while its prompt chunks slow the decode replica); of equal ones, the one least at risk should the predictions be off: the sum,
+beside it); of equal ones, the one least at risk should the predictions be off: the sum,
 over every request it touches (this request's TTFT and TPOT, and each stream beside it,
 including those expected to join while the candidate's prompt chunks slow that replica,
 `Candidate.joining_streams`), of exp(-slack / SLACK_SCALE), a slack fraction being 1 -
@@ -137,7 +136,6 @@ def score(ctx: RouteContext, candidate: Candidate, prediction: Prediction, state
         chance = state.chance_within("tpot", route, prediction.streams_tpot_s, slo_streams, now)
         miss = min(1.0, max(0.0, streams_ratio - 1.0)) if chance is None else 1.0 - chance
         streams_loss = at_stake * miss
-    streams_loss += _joining_loss(ctx, candidate, prediction, state, now)
     meets = own_meets and streams_ratio <= 1.0
     own_loss = (1.0 - own) * (1.0 + OVERLOAD_WEIGHT * min(max(ratios[0] - 1.0, 0.0), OVERLOAD_CAP))
     # the streams' margin counts for those decoding there now and those expected to join
@@ -164,22 +162,6 @@ def _streams_objective(ctx: RouteContext, candidate: Candidate, state: LearnedSt
         return math.inf, 0
     floor = predict.decode_step_s(ctx.decode) * state.factor("tpot", STREAMS, candidate.decode_replica, now)
     return stream_slo_s(ctx, floor)
-
-
-def _joining_loss(ctx: RouteContext, candidate: Candidate, prediction: Prediction, state: LearnedState,
-                  now: float) -> float:
-    """The requests expected to start decoding on the decode replica while this
-    candidate's prompt chunks slow it (`Candidate.joining_streams`), each lost as far as
-    the streams' predicted TPOT there misses this workload's objective (theirs, being
-    fresh). Only where it misses: a stall they absorb costs them nothing. Without them,
-    on a replica whose streams were all past reach every route lost only this request,
-    and a 1,496-token prompt prefilled beside the requests that then arrived."""
-    slo_tpot = ctx.slo.tpot_ms / 1000.0
-    if candidate.joining_streams <= 0 or prediction.streams_tpot_s <= slo_tpot:
-        return 0.0
-    chance = state.chance_within("tpot", candidate.route, prediction.streams_tpot_s, slo_tpot, now)
-    miss = min(1.0, prediction.streams_tpot_s / slo_tpot - 1.0) if chance is None else 1.0 - chance
-    return candidate.joining_streams * miss
 
 
 def _at_risk(slack: float) -> float:

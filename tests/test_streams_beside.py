@@ -176,22 +176,3 @@ def test_streams_stretched_by_recent_prompts_are_still_protected_from_the_next()
     assert loss["local"] > loss["remote"] > 1.0 + 8 * 0.25  # the eight streams count on both
     decision = decide(context)
     assert (decision.route, decision.candidate.kind) == ("disagg", "remote")
-
-
-def test_requests_arriving_during_a_stall_count_where_it_would_break_them():
-    """Every stream on the decode replica is past reach and this request misses its TPOT
-    on every route: only the requests arriving (2 a second) while a 1,500-token prompt
-    prefills there would still be spared by sending it remote. They count as lost where
-    the streams' predicted TPOT misses the workload's objective, so remote wins; with
-    nobody arriving, nothing tells the routes apart but the risk."""
-    slo = SLO(ttft_ms=20_000, tpot_ms=5)
-    lost = dict(BUSY_STREAMS, stream_allowances=(0.0,) * 8)
-    busy = ctx(prompt_len=1500, slo=slo, decode=replica("d1", arrival_rate=2.0, **lost))
-    by_kind = {c.kind: c for c in candidates(busy)}
-    local, remote = by_kind["local"], by_kind["remote"]
-    assert local.joining_streams > 0 and remote.joining_streams == 0
-    loss = {kind: score(busy, c, c.prediction).loss for kind, c in by_kind.items()}
-    assert loss["local"] == pytest.approx(1.0 + local.joining_streams) and loss["remote"] == pytest.approx(1.0)
-    assert decide(busy).candidate.kind == "remote"
-    quiet = ctx(prompt_len=1500, slo=slo, decode=replica("d1", **lost))
-    assert {score(quiet, c, c.prediction).loss for c in candidates(quiet)} == {1.0}
