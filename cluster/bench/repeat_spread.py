@@ -25,9 +25,10 @@ def repeat_spread(*groups: Sequence[Sequence]) -> dict[str, float | int]:
     """`{ttft, tpot, ttft_samples, tpot_samples}` over groups of repeats (each a list of
     the repeats' RequestRecords, one list per repeat), their pairs pooled; a figure is
     left out where no request completed in two repeats of a group."""
+    indexed = [[{r.request_id: r for r in records if r.ok} for records in repeats] for repeats in groups]
     out: dict[str, float | int] = {}
     for figure in FIGURES:
-        errors = [e for repeats in groups for e in _pair_errors(repeats, figure)]
+        errors = [e for by_id in indexed for e in _pair_errors(by_id, figure)]
         if errors:
             out[figure] = round(median(errors), 4)
             out[f"{figure}_samples"] = len(errors)
@@ -45,8 +46,9 @@ def spread_by_config(runs: dict[str, list]) -> dict[str, dict]:
     return {config: block for config, block in out.items() if block}
 
 
-def _pair_errors(repeats: Sequence[Sequence], figure: str) -> list[float]:
-    by_id = [{r.request_id: r for r in records if r.ok} for records in repeats]
+def _pair_errors(by_id: Sequence[dict], figure: str) -> list[float]:
+    """|a - b| / b of `figure` for each request completed in two repeats (each repeat's
+    records by request id), both ways round every pair."""
     errors = []
     for a, b in itertools.permutations(by_id, 2):
         for request_id, ra in a.items():

@@ -88,10 +88,10 @@ class FitQuality(_Strict):
     # node was: the wall-time error above is mostly that wait's scatter). None otherwise.
     work_median_relative_error: float | None = Field(default=None, ge=0)
     run_wait_share: float | None = Field(default=None, ge=0)
-    # Steps of the same shape (the model's every feature alike) and how far their times
-    # scatter around their group's median (`fit.same_shape_spread`): what no function of
-    # the features can predict, the floor under `median_relative_error`; the share of the
-    # records in such groups. None: too few alike.
+    # Steps of the same shape (the model's every feature alike) and the median error of
+    # the best time for each shape (`fit.same_shape_spread`): what no function of the
+    # features can predict, about the floor under `median_relative_error`; the share of
+    # the records in such groups. None: too few alike.
     same_shape_spread: float | None = Field(default=None, ge=0)
     same_shape_share: float | None = Field(default=None, ge=0, le=1)
 

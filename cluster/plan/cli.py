@@ -224,7 +224,7 @@ def _print_summary(c, path: Path) -> None:
                    f"steps waited {q.run_wait_share:.0%} of their CPU time for a core")
     if q.same_shape_spread is not None:
         typer.echo(f"steps alike scatter by {q.same_shape_spread:.1%} (median, {q.same_shape_share:.0%} of the "
-                   f"steps): no step model can be closer on these records")
+                   f"steps): about the least error any step model can have on these records")
     bandwidth = "no per-byte cost" if c.transfer.bytes_per_s is None else f"{c.transfer.bytes_per_s / 1e6:.1f} MB/s"
     typer.echo(f"transfer: {c.transfer.fixed_s * 1e3:.2f} ms + {bandwidth} ({c.transfer.num_samples} samples); "
                f"request overhead {c.request_overhead_s * 1e3:.2f} ms")
