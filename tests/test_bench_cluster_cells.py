@@ -150,8 +150,8 @@ def test_ratio_names_and_targets_of_a_whole_report():
 def test_the_repeat_spread_compares_the_same_request_across_repeats():
     """Two repeats of the same trace: short-0 took 100 then 150 ms to its first token
     (|a - b| / b both ways: 1/3 and 1/2), short-1 100 both times (0 and 0), short-2
-    completed once; the figure is the median of the four. Every `auto` configuration pools into `auto*`, whose
-    figure per workload is a ratio beside the prediction error."""
+    completed once; the figure is the median of the four. Every `auto` configuration
+    pools into `auto*`, whose figure per workload is a ratio beside the prediction error."""
     from cluster.bench.cluster_report import spread_ratios
     from cluster.bench.repeat_spread import repeat_spread, spread_by_config
 
