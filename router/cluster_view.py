@@ -98,9 +98,11 @@ class ClusterView:
             if r.node_id and r.healthy:
                 self.nodes.setdefault(r.node_id, []).append(r)
 
-    def load_of(self, replica: ReplicaInfo, now: float | None = None) -> ReplicaLoad:
+    def load_of(self, replica: ReplicaInfo, now: float | None = None, recent_prompts: bool = False) -> ReplicaLoad:
         """The replica's step model and queue, its heartbeat combined with this router's
-        requests; with `now` (the policy's clock) also how overdue its prefills are."""
+        requests; with `now` (the policy's clock) also how overdue its prefills are and,
+        with `recent_prompts`, each prompt placed there lately (only a request run whole
+        on the replica reads them: `predict.burst_miss_chance`)."""
         rid = replica.replica_id
         base = self._heartbeat_load(replica)
         since = self.since.get(rid) or _Since()
@@ -126,7 +128,7 @@ class ClusterView:
             overdue=self.overdue_of(rid, now) if now is not None else {},
             arrival_rate=self.arrivals.rate(rid, now) if now is not None else 0.0,
             prompt_token_rate=prompt_tokens, prompt_work_rate=prompt_work,
-            recent_prompts=self.prompts.recent(rid, now) if now is not None else (),
+            recent_prompts=self.prompts.recent(rid, now) if now is not None and recent_prompts else (),
             node_id=replica.node_id, node_busy=node_busy)
 
     def stream_allowances(self, replica_id: str, now: float | None) -> tuple[float, ...]:

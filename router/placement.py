@@ -129,7 +129,7 @@ def _place(view: ClusterView, prompt_ids: list[int], max_tokens: int, profile: W
         work=work, request_id=inputs.request_id, max_tokens=max_tokens, slo=inputs.slo,
         decode=view.load_of(decode, inputs.now), prefills=tuple(view.load_of(p, inputs.now) for p in ranked),
         prefill_cached_tokens=tuple(_cached(view, p, hits, prompt_ids) for p in ranked),
-        whole=view.load_of(whole, inputs.now) if whole else None,
+        whole=view.load_of(whole, inputs.now, recent_prompts=True) if whole else None,
         whole_cached_tokens=_cached(view, whole, hits, prompt_ids) if whole else 0)
     decision = decide(ctx, inputs.state, inputs.now, inputs.settings)
     kind = decision.candidate.kind if decision.candidate is not None else None

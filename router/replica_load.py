@@ -61,6 +61,7 @@ class ReplicaLoad:
     prompt_work_rate: float = 0.0
     # (tokens, attention work) of each prompt placed to be computed here over the same
     # window (`arrival_rate.WINDOW_S`), oldest first: what a stream here may find beside it
+    # (filled where a request may run whole on the replica, the one candidate that reads it)
     recent_prompts: tuple[tuple[float, float], ...] = ()
     node_id: str = ""  # its machine ("": unknown, shares with no one)
     # the other replicas of its node busy now, already priced into `coefficients` (each

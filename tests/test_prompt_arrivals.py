@@ -96,9 +96,11 @@ def test_the_view_keeps_each_prompt_placed_on_a_replica_over_the_window():
     for at, tokens in ((0.0, 1500), (6.0, 90), (9.0, 1400)):
         view.begin(Placement("decode", "d1", "p1", RouteDecision("disagg", "slo-disagg"), 0, prefill_on="p1",
                              prefill_tokens=tokens, prefill_work=tokens // 10, placed_at=at))
-    assert view.load_of(p1, now=9.5).recent_prompts == ((1500, 150), (90, 9), (1400, 140))
-    assert view.load_of(p1, now=12.0).recent_prompts == ((90, 9), (1400, 140))  # the first left the window
-    assert view.load_of(d1, now=12.0).recent_prompts == () and view.load_of(p1).recent_prompts == ()
+    assert view.load_of(p1, now=9.5, recent_prompts=True).recent_prompts == ((1500, 150), (90, 9), (1400, 140))
+    assert view.load_of(p1, now=12.0, recent_prompts=True).recent_prompts == ((90, 9), (1400, 140))  # one left
+    assert view.load_of(d1, now=12.0, recent_prompts=True).recent_prompts == ()
+    assert view.load_of(p1, recent_prompts=True).recent_prompts == ()  # no clock
+    assert view.load_of(p1, now=12.0).recent_prompts == ()  # not asked for: only the whole candidate reads them
 
 
 @pytest.mark.parametrize("name, recent, tpot_s, max_tokens, num_long", [
@@ -137,3 +139,29 @@ def test_a_request_is_not_run_whole_where_long_prompts_land():
     assert chosen.candidate.kind == "local"
     whole = next(a for a in chosen.alternatives if a.candidate.kind == "whole")
     assert whole.meets and whole.loss == pytest.approx(1.0 - math.exp(-0.3 * 31 * whole.prediction.tpot_s))
+
+
+def test_the_whole_candidate_sees_the_prompts_placed_on_its_replica_lately():
+    """Through `place`: three remote prefills done on p1 (idle again, their requests still
+    decoding on d1), so p1 is offered to run the next request whole, and that candidate's
+    load carries the prompts p1 computed in the window; the decode replica's does not."""
+    from cluster.config import WorkloadProfile
+    from router.cluster_view import ClusterView, ReplicaInfo
+    from router.placement import Placement, PolicyInputs, place
+    from router.policy import RouteDecision
+
+    view = ClusterView(16, 8)
+    d1, p1 = ReplicaInfo("d1", "decode"), ReplicaInfo("p1", "prefill")
+    view.update([d1, p1])
+    for at, tokens in ((0.0, 1500), (6.0, 90), (9.0, 1400)):
+        placed = Placement("decode", "d1", "p1", RouteDecision("disagg", "slo-disagg"), 0, prefill_on="p1",
+                           prefill_tokens=tokens, prefill_work=tokens // 10, placed_at=at)
+        view.begin(placed)
+        view.prefill_done(placed, now=at + 0.2, num_tokens=1)
+    assert view.load(p1) == 0 and view.load(d1) > 0
+    placement = place(view, [7] * 40, 16, WorkloadProfile(mode="auto"), None, inputs=PolicyInputs(now=9.5),
+                      keep_context=True)
+    context = placement.context
+    assert context.whole is not None and context.whole.replica_id == "p1"
+    assert context.whole.recent_prompts == ((1500, 150), (90, 9), (1400, 140))
+    assert context.decode.recent_prompts == ()
