@@ -119,7 +119,7 @@ def padded_group(works: list[SeqWork], block_size: int, device: torch.device) ->
 
 def padded_table(works: list[SeqWork], max_blocks: int) -> list[list[int]]:
     """Each sequence's first `max_blocks` block ids, padded with block 0."""
-    return [w.block_ids[:max_blocks] + [0] * (max_blocks - len(w.block_ids[:max_blocks])) for w in works]
+    return [ids + [0] * (max_blocks - len(ids)) for ids in (w.block_ids[:max_blocks] for w in works)]
 
 
 def causal_mask(works: list[SeqWork], max_len: int, num_keys: int, device: torch.device) -> torch.Tensor:
