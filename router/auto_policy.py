@@ -143,6 +143,8 @@ def score(ctx: RouteContext, candidate: Candidate, prediction: Prediction, state
     weights = [1.0] * (len(ratios) - 1 if at_stake else len(ratios)) + (
         [at_stake + candidate.joining_streams] if at_stake else [])
     risk = sum(w * _at_risk(1.0 - r) for w, r in zip(weights, ratios, strict=True))
+    if not at_stake and candidate.num_streams and candidate.joining_streams:
+        risk += _joining_risk(prediction, candidate.joining_streams, slo_tpot)
     return Scored(candidate, prediction, meets, tuple(sorted(1.0 - r for r in ratios)), own_loss + streams_loss,
                   risk)
 
@@ -162,6 +164,18 @@ def _streams_objective(ctx: RouteContext, candidate: Candidate, state: LearnedSt
         return math.inf, 0
     floor = predict.decode_step_s(ctx.decode) * state.factor("tpot", STREAMS, candidate.decode_replica, now)
     return stream_slo_s(ctx, floor)
+
+
+def _joining_risk(prediction: Prediction, joining: float, slo_tpot_s: float) -> float:
+    """The margin of the requests expected to join the streams while the candidate's
+    chunks slow that replica, where every stream there now is past reach. Those requests
+    arrive with their whole budget, so they are never past reach themselves; they are held
+    to this workload's objective. Without them, a decode replica whose streams had all
+    been stretched past a tight TPOT objective saw local and remote prefill tie on what
+    they cost (this request misses on both), local won on its shorter TTFT, and every
+    short prompt after prefilled there too, keeping the gaps stretched (bench cluster,
+    tight_tpot: auto 14 good requests against 20 disaggregated)."""
+    return joining * _at_risk(1.0 - prediction.streams_tpot_s / slo_tpot_s)
 
 
 def _at_risk(slack: float) -> float:

@@ -176,3 +176,25 @@ def test_streams_stretched_by_recent_prompts_are_still_protected_from_the_next()
     assert loss["local"] > loss["remote"] > 1.0 + 8 * 0.25  # the eight streams count on both
     decision = decide(context)
     assert (decision.route, decision.candidate.kind) == ("disagg", "remote")
+
+
+def test_with_every_stream_past_reach_the_requests_about_to_join_keep_prompts_off_the_replica():
+    """Eight streams all past reach (gaps stretched to 40 ms lately against a 26 ms
+    objective): this request misses its TPOT on every route and costs those streams
+    nothing, so the routes tie on loss. The requests arriving while its prompt runs there
+    start with their whole budget: they tip the tie to remote, where nothing stalls the
+    replica. With none arriving, the quicker local route stands."""
+    slo = SLO(ttft_ms=20_000, tpot_ms=26)
+
+    def decided(arrival_rate: float):
+        stretched = replica("d1", stream_allowances=(0.0,) * 8, recent_gap_s=0.040, arrival_rate=arrival_rate,
+                            **BUSY_STREAMS)
+        context = ctx(prompt_len=200, slo=slo, decode=stretched)
+        scored = {c.kind: score(context, c, c.prediction) for c in candidates(context)}
+        assert scored["local"].loss == scored["remote"].loss == 1.0  # a tie on loss
+        return decide(context)
+
+    quiet = decided(0.0)
+    assert (quiet.route, quiet.candidate.kind, quiet.reason) == ("local", "local", "no-route-meets-slo")
+    busy = decided(4.0)
+    assert (busy.route, busy.candidate.kind, busy.reason) == ("disagg", "remote", "no-route-meets-slo")
