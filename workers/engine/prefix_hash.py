@@ -26,7 +26,8 @@ def hash_block(parent_hash: int, block_token_ids: Sequence[int]) -> int:
 def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
     """Hashes of every FULL block of `token_ids`, in order; a partial tail is left out.
     The same bytes `hash_block` hashes, packed once for the whole prompt (the router
-    hashes every request's prompt)."""
+    hashes every request's prompt), the chain carried as the digest itself: its bytes
+    are the parent hash's little-endian bytes."""
     if block_size < 1:
         raise ValueError("block_size must be at least 1")
     num_full = len(token_ids) // block_size
@@ -34,10 +35,12 @@ def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
         return []
     data = np.asarray(token_ids[:num_full * block_size], dtype="<i8").tobytes()
     width = 8 * block_size
-    hashes: list[int] = []
-    parent = ROOT_HASH
+    blake2b = hashlib.blake2b
+    digests: list[bytes] = []
+    parent = ROOT_HASH.to_bytes(8, "little")
     for start in range(0, len(data), width):
-        digest = hashlib.blake2b(parent.to_bytes(8, "little") + data[start:start + width], digest_size=8).digest()
-        parent = int.from_bytes(digest, "little")
-        hashes.append(parent)
-    return hashes
+        h = blake2b(parent, digest_size=8)
+        h.update(data[start:start + width])
+        parent = h.digest()
+        digests.append(parent)
+    return [int.from_bytes(d, "little") for d in digests]
