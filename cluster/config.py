@@ -172,6 +172,9 @@ class RouterSettings(_Strict):
     stale_after_s: float = Field(default=20.0, gt=0)
     correction_half_life_s: float = Field(default=60.0, gt=0)  # a correction's evidence fades with age
     transfer_cost_max_age_s: float = Field(default=60.0, gt=0)  # prefill replicas forget older KV transfer tails
+    # the router process's young-generation GC threshold, after freezing what start-up
+    # allocated (router/gc_tuning.py); null leaves Python's collector as it is
+    gc_gen0_threshold: int | None = Field(default=5000, ge=100)
 
 
 class WorkloadProfile(_Strict):

@@ -26,6 +26,7 @@ from router import (
     admin,
     admission,
     dispatch,
+    gc_tuning,
     metrics,
     request_checks,
     sse,
@@ -140,6 +141,7 @@ class Router:
         self.learner = PolicyLearner(self.config.router, self.metrics, self.source_id)
         self.decisions = DecisionLog()
         self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
+        gc_tuning.tune(self.config.router.gc_gen0_threshold)  # last: what start-up allocated is frozen
 
     # ---- cluster state ----------------------------------------------------------------
 

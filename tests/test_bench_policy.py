@@ -4,6 +4,7 @@ benchmark's, and this machine may be busy."""
 
 from __future__ import annotations
 
+import gc
 import json
 
 from typer.testing import CliRunner
@@ -30,6 +31,9 @@ def test_bench_policy_reports_both_modes_and_both_routes():
     assert set(target) == {"value", "limit", "met"} and target["value"] == report["results"]["auto"]["p99_ms"]
     assert report["setup"]["num_prefill"] == 4 and report["setup"]["num_decode"] == 4
     assert report["machine"]["cores"] >= 1 and len(report["machine"]["loadavg_start"]) == 3
+    # measured under the router's collector setting, which is undone afterwards
+    assert report["setup"]["gc_thresholds"][0] == report["setup"]["gc_gen0_threshold"] == 5000
+    assert gc.get_threshold()[0] != 5000 and gc.get_freeze_count() == 0
 
 
 def test_bench_policy_cli_prints_json_alone_on_stdout():
@@ -40,3 +44,5 @@ def test_bench_policy_cli_prints_json_alone_on_stdout():
     report = json.loads(result.stdout)
     assert report["bench"] == "policy" and report["setup"]["num_decode"] == 3
     assert report["results"]["threshold"]["num_decisions"] == 40
+    default = CliRunner().invoke(app, [*args, "--gc-gen0-threshold", "0"])
+    assert json.loads(default.stdout)["setup"]["gc_thresholds"] == list(gc.get_threshold())

@@ -19,6 +19,10 @@ def bench_policy_cmd(
     decisions: int = typer.Option(5000, "--decisions", min=1, help="Timed decisions per mode."),
     warmup: int = typer.Option(500, "--warmup", min=0, help="Untimed decisions per mode before them."),
     seed: int = typer.Option(0, "--seed", help="Requests, heartbeats and outcomes seed."),
+    gc_gen0_threshold: int | None = typer.Option(
+        None, "--gc-gen0-threshold", min=0,
+        help="The router's young-generation GC threshold to measure under (default: the router's, "
+             "router.gc_gen0_threshold; 0: Python's own collector settings)."),
 ) -> None:
     """Latency of one routing decision (`place()`) in modes auto and threshold (target: auto p99 < 1 ms)."""
     from rich.console import Console
@@ -28,13 +32,21 @@ def bench_policy_cmd(
     if prefill_replicas is not None and prefill_replicas >= replicas:
         raise typer.BadParameter("must leave at least one decode replica", param_hint="--prefill-replicas")
     cfg = PolicyBenchConfig(num_replicas=replicas, num_prefill=prefill_replicas, num_decisions=decisions,
-                            num_warmup=warmup, seed=seed)
+                            num_warmup=warmup, seed=seed, **_gc_setting(gc_gen0_threshold))
     console = Console(stderr=True, log_path=False)
     result = run_benchmark(cfg, log=lambda msg: console.log(msg))
     if as_json:
         typer.echo(json.dumps(result))
     else:
         _print_table(result)
+
+
+def _gc_setting(threshold: int | None) -> dict:
+    """The config field for `--gc-gen0-threshold`: nothing (the router's default), or
+    None for 0 (Python's collector as it comes)."""
+    if threshold is None:
+        return {}
+    return {"gc_gen0_threshold": threshold or None}
 
 
 def _print_table(result: dict) -> None:
@@ -56,6 +68,7 @@ def _print_table(result: dict) -> None:
                       f"prefix hits {r['prefix_hit_fraction']:.0%}")
     for key, target in result["targets"].items():
         console.print(f"{key}: {target['value']} (limit < {target['limit']}: {'met' if target['met'] else 'MISSED'})")
+    console.print(f"garbage collector thresholds {tuple(setup['gc_thresholds'])}")
     console.print(f"load average {result['machine']['loadavg_start']} -> {result['machine']['loadavg_end']} "
                   f"on {result['machine']['cores']} cores")
 
