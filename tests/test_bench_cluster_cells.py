@@ -25,6 +25,7 @@ from cluster.bench.cluster_scenarios import (
     score_load_shift,
     shift_at_s,
 )
+from cluster.bench.route_split import describe
 from cluster.bench.sizing import Baseline, bench_workloads
 from cluster.bench.slo_cells import CELLS, cell_slos, compare, num_good, score_cells
 from cluster.loadtest.client import RequestRecord
@@ -110,6 +111,25 @@ def test_met_is_null_where_the_best_has_fewer_than_five_good_requests():
     assert score_cells(B, ["short"], runs)["balanced"]["met"] is False
     runs["auto"] = [[rec(f"short-{i}", 150, 30) for i in range(4)]]  # one behind: met
     assert score_cells(B, ["short"], runs)["balanced"]["met"] is True
+
+
+def test_a_cells_gap_is_split_by_whether_auto_routed_each_request_as_the_best_did():
+    """Repeat by repeat, request by request: in the first, short-0..3 took the best's route
+    (one good in auto's run only, two in the best's only, one in both) and short-4..5
+    another (auto lost one the best kept); the second repeat pairs with the best's second
+    run only (short-0, good in auto's)."""
+    best = [[rec("short-0", 150, 30), rec("short-1", 150, 30), rec("short-2", 150, 30), rec("short-3", 400, 30),
+             rec("short-4", 150, 30, route="local"), rec("short-5", 150, 30, route="local")],
+            [rec("short-0", 400, 30)]]
+    auto = [[rec("short-0", 150, 30), rec("short-1", 400, 30), rec("short-2", 400, 30), rec("short-3", 150, 30),
+             rec("short-4", 400, 30, route="disagg"), rec("short-5", 150, 30, route="disagg")],
+            [rec("short-0", 150, 30)]]
+    runs = {"colocated": best, "disagg": [[], []], "threshold": [[], []], "auto_tight": auto}
+    tight = score_cells(B, ["short"], runs)["tight"]
+    assert tight["best"] == "colocated" and tight["good"]["auto"] == 4 and tight["good"]["colocated"] == 5
+    assert tight["route_split"] == {"same_route": {"requests": 5, "auto_only": 2, "best_only": 2},
+                                    "other_route": {"requests": 2, "auto_good": 1, "best_good": 2}}
+    assert "routed differently 2 (good: auto 1, best 2)" in describe(tight["route_split"])
 
 
 def figures(goodput: float = 1.0) -> dict:

@@ -13,6 +13,7 @@ from cluster.bench.cluster_scenarios import (
     shift_at_s,
 )
 from cluster.bench.repeat_spread import spread_by_config
+from cluster.bench.route_split import describe
 from cluster.bench.slo_cells import (
     BALANCED,
     CELLS,
@@ -246,6 +247,10 @@ def print_report(result: dict, console) -> None:
             cells.add_row(name, cell, *(str(good.get(c, "-")) for c in ("colocated", "disagg", "threshold", "auto")),
                           block["best"], str(block["met"]))
     console.print(cells)
+    for name, by_cell in result["cells"].items():
+        for cell, block in by_cell.items():
+            if block.get("route_split"):
+                console.print(f"{name} {cell}, auto against {block['best']}: {describe(block['route_split'])}")
     for name, by_config in result["prediction"].get("repeat_spread", {}).items():
         spread = ", ".join(f"{config} TTFT {b.get('ttft', '-')} TPOT {b.get('tpot', '-')}"
                            for config, b in by_config.items())

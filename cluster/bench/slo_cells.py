@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from cluster.bench.route_split import route_split
 from cluster.bench.sizing import Baseline, class_slo
 from cluster.loadtest.client import RequestRecord
 from cluster.loadtest.config import SLO
@@ -81,7 +82,8 @@ def ratio(a: float | None, b: float | None) -> float | None:
 def score_cells(b: Baseline, class_names: Sequence[str], runs: dict[str, list[list[RequestRecord]]]) -> dict:
     """`runs[config]`: each repeat's records, for the fixed configurations and for
     `auto_config(cell)` of every cell that ran. Per cell: its SLOs, good and sent
-    requests per configuration (`auto` being that cell's run), the comparison."""
+    requests per configuration (`auto` being that cell's run), the comparison, and
+    `route_split` against the best (cluster/bench/route_split.py)."""
     cells = {}
     for cell in CELLS:
         if auto_config(cell) not in runs:
@@ -90,7 +92,9 @@ def score_cells(b: Baseline, class_names: Sequence[str], runs: dict[str, list[li
         counts = {c: pooled(runs[c], slos) for c in FIXED_CONFIGS if c in runs}
         counts["auto"] = pooled(runs[auto_config(cell)], slos)
         block = compare({c: g for c, (g, _) in counts.items()}, {c: n for c, (_, n) in counts.items()})
-        cells[cell] = {"slo": {name: slo.as_dict() for name, slo in slos.items()}, **block, "met": cell_met(block)}
+        split = route_split(runs[auto_config(cell)], runs[block["best"]], slos) if block["best"] in runs else None
+        cells[cell] = {"slo": {name: slo.as_dict() for name, slo in slos.items()}, **block, "met": cell_met(block),
+                       "route_split": split}
     return cells
 
 
