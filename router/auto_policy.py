@@ -23,8 +23,8 @@ candidate that loses the least expected goodput wins (this request, plus each st
 beside it); of equal ones, the one least at risk should the predictions be off: the sum,
 over every request it touches (this request's TTFT and TPOT, and each stream beside it,
 including those expected to join while the candidate's prompt chunks slow that replica,
-`Candidate.joining_streams`), of exp(-slack / SLACK_SCALE), a slack fraction being 1 -
-predicted / objective. A margin counts once per request it protects, so a long prompt
+`Candidate.joining_streams`, who count even where every stream there now is past reach),
+of exp(-slack / SLACK_SCALE), a slack fraction being 1 - predicted / objective. A margin counts once per request it protects, so a long prompt
 that every route serves in time goes where it leaves six streams 70% of their budget
 rather than 40%, even where that costs its own TPOT a few points of slack (leximin over
 the margins alone took the other, and the background prefill then held the decode
