@@ -23,8 +23,10 @@ candidate that loses the least expected goodput wins (this request, plus each st
 beside it); of equal ones, the one least at risk should the predictions be off: the sum,
 over every request it touches (this request's TTFT and TPOT, and each stream beside it,
 including those expected to join while the candidate's prompt chunks slow that replica,
-`Candidate.joining_streams`, who count even where every stream there now is past reach),
-of exp(-slack / SLACK_SCALE), a slack fraction being 1 - predicted / objective. A margin counts once per request it protects, so a long prompt
+`Candidate.joining_streams`, who count even where every stream there now is past reach;
+and, for a foreground prefill there, the TTFT of the prompts placed there meanwhile, who
+wait behind it: `Candidate.blocking_s`), of exp(-slack / SLACK_SCALE), a slack fraction
+being 1 - predicted / objective. A margin counts once per request it protects, so a long prompt
 that every route serves in time goes where it leaves six streams 70% of their budget
 rather than 40%, even where that costs its own TPOT a few points of slack (leximin over
 the margins alone took the other, and the background prefill then held the decode
@@ -50,6 +52,7 @@ import zlib
 from dataclasses import dataclass
 
 from router import predict
+from router.arrival_rate import WINDOW_S as ARRIVAL_WINDOW_S
 from router.corrections import EMPTY, STREAMS, LearnedState
 from router.policy import Alternative, RouteContext, RouteDecision, RoutingPolicy
 from router.predict import Candidate, Prediction
@@ -145,6 +148,8 @@ def score(ctx: RouteContext, candidate: Candidate, prediction: Prediction, state
     risk = sum(w * _at_risk(1.0 - r) for w, r in zip(weights, ratios, strict=True))
     if not at_stake and candidate.num_streams and candidate.joining_streams:
         risk += _joining_risk(prediction, candidate.joining_streams, slo_tpot)
+    if candidate.blocking_s > 0.0 and ctx.decode is not None and ctx.decode.arrival_ttft_objectives:
+        risk += _waiting_risk(candidate.blocking_s, ctx.decode.arrival_ttft_objectives)
     return Scored(candidate, prediction, meets, tuple(sorted(1.0 - r for r in ratios)), own_loss + streams_loss,
                   risk)
 
@@ -176,6 +181,19 @@ def _joining_risk(prediction: Prediction, joining: float, slo_tpot_s: float) -> 
     short prompt after prefilled there too, keeping the gaps stretched (bench cluster,
     tight_tpot: auto 14 good requests against 20 disaggregated)."""
     return joining * _at_risk(1.0 - prediction.streams_tpot_s / slo_tpot_s)
+
+
+def _waiting_risk(blocking_s: float, objectives: tuple[float, ...]) -> float:
+    """The margin of the requests expected to arrive at the decode replica while this
+    candidate's prompt holds its foreground lane: as many as arrived there over an equal
+    time lately, each held to its own TTFT objective, each waiting half of that time on
+    average. A 1,496-token prompt that met its objectives on both routes prefilled on the
+    decode replica for 1.5 s, and the five short prompts after it (a 165 ms TTFT objective)
+    found both routes late and missed; the prefill pool would have taken it as every fixed
+    configuration sends it there (bench cluster, tight_ttft, run BC)."""
+    share = blocking_s / ARRIVAL_WINDOW_S
+    wait = 0.5 * blocking_s
+    return share * sum(_at_risk(1.0 - wait / objective) for objective in objectives)
 
 
 def _at_risk(slack: float) -> float:

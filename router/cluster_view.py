@@ -27,6 +27,7 @@ victims are still waiting, not only once they complete.
 
 from __future__ import annotations
 
+import math
 from collections import Counter, deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -74,7 +75,8 @@ class ClusterView:
         # candidate per request (a prefill replica's transfer model has a fit per decode peer)
         self._heartbeat_loads: dict[str, tuple[ReplicaInfo, ReplicaLoad]] = {}
         self.nodes: dict[str, list[ReplicaInfo]] = {}  # node id -> its healthy replicas (known ids only)
-        self.arrivals = ArrivalRate()  # per replica: the requests this router placed to decode there lately
+        # per replica: the requests this router placed to decode there lately, each with its TTFT objective
+        self.arrivals = ArrivalRate(num_weights=2)
         # per replica: the prompt tokens (and their attention work) it placed to be computed there lately
         self.prompts = ArrivalRate(num_weights=2)
 
@@ -98,11 +100,14 @@ class ClusterView:
             if r.node_id and r.healthy:
                 self.nodes.setdefault(r.node_id, []).append(r)
 
-    def load_of(self, replica: ReplicaInfo, now: float | None = None, recent_prompts: bool = False) -> ReplicaLoad:
+    def load_of(self, replica: ReplicaInfo, now: float | None = None, recent_prompts: bool = False,
+                arrival_objectives: bool = False) -> ReplicaLoad:
         """The replica's step model and queue, its heartbeat combined with this router's
         requests; with `now` (the policy's clock) also how overdue its prefills are and,
         with `recent_prompts`, each prompt placed there lately (only a request run whole
-        on the replica reads them: `predict.burst_miss_chance`)."""
+        on the replica reads them: `predict.burst_miss_chance`), with
+        `arrival_objectives` the TTFT objective of each request placed to decode there
+        lately (only the local candidates read them)."""
         rid = replica.replica_id
         base = self._heartbeat_load(replica)
         since = self.since.get(rid) or _Since()
@@ -129,6 +134,8 @@ class ClusterView:
             arrival_rate=self.arrivals.rate(rid, now) if now is not None else 0.0,
             prompt_token_rate=prompt_tokens, prompt_work_rate=prompt_work,
             recent_prompts=self.prompts.recent(rid, now) if now is not None and recent_prompts else (),
+            arrival_ttft_objectives=tuple([e[1] for e in self.arrivals.recent(rid, now)])
+            if now is not None and arrival_objectives else (),
             node_id=replica.node_id, node_busy=node_busy)
 
     def stream_allowances(self, replica_id: str, now: float | None) -> tuple[float, ...]:
@@ -253,7 +260,8 @@ class ClusterView:
                 self.background_backlog[placement.prefill_on] += placement.prefill_tokens
                 self.background_backlog_work[placement.prefill_on] += placement.prefill_work
         if placement.target_replica:
-            self.arrivals.add(placement.target_replica, placement.placed_at)
+            self.arrivals.add(placement.target_replica, placement.placed_at, 1.0,
+                              placement.ttft_slo_s or math.inf)
             self.awaiting_first[placement.target_replica] += placement.num_sequences
             if _prefills_elsewhere(placement):
                 self.incoming.setdefault(placement.target_replica, {})[id(placement)] = placement

@@ -74,7 +74,8 @@ def _alternative(a: Alternative) -> dict[str, Any]:
     return {"kind": c.kind, "decode_replica": c.decode_replica, "prefill_replica": c.prefill_replica,
             "chunk_tokens": c.chunk_tokens, "ttft_ms": _ms(p.ttft_s), "tpot_ms": _ms(p.tpot_s),
             "streams_tpot_ms": _ms(p.streams_tpot_s), "streams": c.num_streams, "meets": a.meets,
-            "loss": round(a.loss, 4), "joining_streams": round(c.joining_streams, 3)}
+            "loss": round(a.loss, 4), "joining_streams": round(c.joining_streams, 3),
+            "blocking_ms": _ms(c.blocking_s)}
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -62,6 +62,7 @@ class Placement:
     num_sequences: int = 1  # streams it decodes on `target_replica` (n / best_of)
     prefill_work: int = 0  # the attention work of those prompt tokens (router/predict.py)
     tpot_slo_s: float | None = None  # its workload's TPOT objective (the streams' objective there)
+    ttft_slo_s: float | None = None  # its workload's TTFT objective
     ended: bool = False  # `ClusterView.end` ran: its streams no longer count on `target_replica`
     prompt_len: int = 0  # its context when it starts decoding
     placed_at: float = 0.0  # the policy's clock (`PolicyInputs.now`) when it was placed
@@ -127,7 +128,7 @@ def _place(view: ClusterView, prompt_ids: list[int], max_tokens: int, profile: W
         prefill_backlog_tokens=view.backlog[prefill.replica_id] if prefill else 0,
         decode_backlog_tokens=view.backlog[decode.replica_id], decode_num_streams=view.num_streams(decode),
         work=work, request_id=inputs.request_id, max_tokens=max_tokens, slo=inputs.slo,
-        decode=view.load_of(decode, inputs.now), prefills=tuple(view.load_of(p, inputs.now) for p in ranked),
+        decode=view.load_of(decode, inputs.now, arrival_objectives=True), prefills=tuple(view.load_of(p, inputs.now) for p in ranked),
         prefill_cached_tokens=tuple(_cached(view, p, hits, prompt_ids) for p in ranked),
         whole=view.load_of(whole, inputs.now, recent_prompts=True) if whole else None,
         whole_cached_tokens=_cached(view, whole, hits, prompt_ids) if whole else 0)
@@ -164,7 +165,8 @@ def _placed(view: ClusterView, deployment: str, target: str, prefill_replica: st
     return Placement(deployment, target, prefill_replica, decision, num_cached, hashes, prefill_on=prefill_on,
                      prefill_tokens=_uncached(prompt_ids, computed_from),
                      num_sequences=work.num_sequences, prefill_work=prefill_work(start, len(prompt_ids), chunk)[2],
-                     tpot_slo_s=inputs.slo.tpot_ms / 1000.0, prompt_len=len(prompt_ids), placed_at=inputs.now)
+                     tpot_slo_s=inputs.slo.tpot_ms / 1000.0, ttft_slo_s=inputs.slo.ttft_ms / 1000.0,
+                     prompt_len=len(prompt_ids), placed_at=inputs.now)
 
 
 def _cached(view: ClusterView, replica: ReplicaInfo, hits: list[int], prompt_ids: list[int]) -> int:

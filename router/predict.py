@@ -115,6 +115,9 @@ class Candidate:
     overdue_x: float = 1.0  # the prefill replica's `ReplicaLoad.overdue` on this route (a correction)
     # requests expected to start decoding beside it while its chunks slow the decode replica's steps
     joining_streams: float = 0.0
+    # seconds its prompt holds the decode replica's foreground lane (`local`): the prompts
+    # placed there meanwhile wait behind it
+    blocking_s: float = 0.0
     computed_tokens: int = 0  # the prompt tokens its prefill computes (the rest are cached)
 
     @property
@@ -278,7 +281,8 @@ def _on_decode_replica(kind: Kind, req: RequestShape, d: ReplicaLoad, prefill: D
     ttft = prefill.seconds + 0.5 * current_step_s(d, d_queue)
     return Candidate(kind, d.replica_id, d.replica_id, Prediction(ttft, tpot, streams), chunk,
                      num_streams=d.num_streams + d.queued_streams, overdue_x=d.overdue.get("local", 1.0),
-                     joining_streams=d.arrival_rate * prefill.own_s, computed_tokens=computed_tokens)
+                     joining_streams=d.arrival_rate * prefill.own_s, computed_tokens=computed_tokens,
+                     blocking_s=prefill.own_s if kind == "local" else 0.0)
 
 
 def stream_objective_s(d: ReplicaLoad, default_s: float, floor_s: float) -> tuple[float, int]:

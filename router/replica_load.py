@@ -63,6 +63,10 @@ class ReplicaLoad:
     # window (`arrival_rate.WINDOW_S`), oldest first: what a stream here may find beside it
     # (filled where a request may run whole on the replica, the one candidate that reads it)
     recent_prompts: tuple[tuple[float, float], ...] = ()
+    # the TTFT objective (seconds) of each request placed to decode here over the same
+    # window, oldest first: who waits should a prompt hold its foreground lane (filled for
+    # the decode replica a placement chose, the one its local candidates run on)
+    arrival_ttft_objectives: tuple[float, ...] = ()
     node_id: str = ""  # its machine ("": unknown, shares with no one)
     # the other replicas of its node busy now, already priced into `coefficients` (each
     # slows its steps by the step model's `node_contention`)

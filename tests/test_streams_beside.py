@@ -198,3 +198,37 @@ def test_with_every_stream_past_reach_the_requests_about_to_join_keep_prompts_of
     assert (quiet.route, quiet.candidate.kind, quiet.reason) == ("local", "local", "no-route-meets-slo")
     busy = decided(4.0)
     assert (busy.route, busy.candidate.kind, busy.reason) == ("disagg", "remote", "no-route-meets-slo")
+
+
+def test_a_long_prompt_that_meets_on_both_routes_leaves_the_decode_replica_to_the_short_ones_arriving():
+    """A 1,496-token prompt meets its objectives locally and remotely. Short requests with
+    a 165 ms TTFT objective have been arriving at the decode replica at 4/s: in the
+    foreground there, the prompt would hold them up for about half its prefill each, so it
+    goes remote. With nothing arriving, or with arrivals whose objective is seconds away,
+    local is free; a short prompt's own brief prefill stays local beside them too."""
+    slo_long = SLO(ttft_ms=2380, tpot_ms=136)
+
+    def decided(prompt_len: int, objectives: tuple[float, ...], slo: SLO = slo_long):
+        d = replica("d1", arrival_ttft_objectives=objectives, arrival_rate=len(objectives) / 10.0)
+        return decide(ctx(prompt_len=prompt_len, slo=slo, decode=d))
+
+    quiet = decided(1496, ())
+    assert (quiet.route, quiet.candidate.kind) == ("local", "local") and quiet.candidate.blocking_s > 0.1
+    busy = decided(1496, (0.165,) * 40)
+    assert (busy.route, busy.reason) == ("disagg", "slo-disagg")
+    alternatives = {a.candidate.kind: a for a in busy.alternatives}
+    assert alternatives["local"].meets and alternatives["local"].loss == alternatives["remote"].loss == 0.0
+    assert decided(100, (0.165,) * 40, SLO(ttft_ms=165, tpot_ms=136)).candidate.kind == "local"
+
+
+def test_the_view_lists_the_ttft_objective_of_each_request_placed_to_decode_there():
+    view = ClusterView(block_size=16, max_num_seqs=8)
+    view.update([ReplicaInfo("d1", "decode")])
+    local = WorkloadProfile(mode="local")
+    for at, ttft_ms in ((1.0, 500), (2.0, 150)):
+        inputs = PolicyInputs(slo=SLO(ttft_ms=ttft_ms, tpot_ms=50), now=at)
+        view.begin(place(view, [1] * 40, 17, local, None, offload_to_prefill=False, inputs=inputs))
+    d = view.replicas["d1"]
+    assert view.load_of(d, now=3.0, arrival_objectives=True).arrival_ttft_objectives == (0.5, 0.15)
+    assert view.load_of(d, now=3.0).arrival_ttft_objectives == ()  # only where asked
+    assert view.load_of(d, now=11.5, arrival_objectives=True).arrival_ttft_objectives == (0.15,)  # 10 s window
