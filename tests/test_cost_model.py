@@ -345,3 +345,27 @@ def test_scaling_a_model_scales_c0_to_c4_and_keeps_every_other_field():
     others = [f.name for f in dataclasses.fields(StepCoefficients)
               if f.name not in ("fixed_s", "prefill_token_s", "prefill_attention_s", "decode_seq_s", "decode_context_s")]
     assert others and all(getattr(scaled, name) == getattr(model, name) for name in others)
+
+
+def test_a_warm_up_that_waited_for_cores_still_pins_the_prefill_cost_of_a_decode_only_window():
+    """The warm-up ran beside other replicas starting on the same cores: its thread was
+    on a CPU for 40% of its wall time. The live window holds decode steps alone (every
+    prompt went elsewhere), so only the anchors see a prompt token; they price it."""
+    truth = sum(float(StepFeatures(min(512, 2016 - s), min(512, 2016 - s) * min(2016, s + 512), 0, 0).row()
+                      @ TRUE.vector()) for s in range(0, 2016, 512))
+    crowded = [dataclasses.replace(r, step_time_s=r.step_time_s / 0.4, cpu_time_s=r.step_time_s)
+               for r in synthetic_steps(120, seed=30)]
+    rng = random.Random(31)
+    decode_only = []
+    for _ in range(512):
+        seqs, context = rng.randint(1, 3), rng.randint(100, 400)
+        t = float(StepFeatures(0, 0, seqs, seqs * context).row() @ TRUE.vector()) * rng.uniform(0.9, 1.1)
+        decode_only.append(dataclasses.replace(step(t, 0, seqs, seqs * context), cpu_time_s=t))
+    model = StepCostFit()
+    model.seed(crowded)
+    model.anchor()
+    for record in decode_only:
+        model.observe(record)
+    model.fit()
+    assert model.coefficients.prefill_token_s > 0.5 * TRUE.prefill_token_s
+    assert _fresh_prompt_s(model) == pytest.approx(truth, rel=0.25)

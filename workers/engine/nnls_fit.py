@@ -48,16 +48,25 @@ def fit_work_then_wall(a: np.ndarray, wall: np.ndarray, cpu: np.ndarray, busy: n
     for each k of the grid the scale s = `scale(w * (1 + k busy), wall)` (default: the
     mean ratio), the pair with the least `loss`; c = s * c_work. Otherwise
     `fit_with_contention` on wall time. `anchors` (rows, wall, busy, cpu: records kept
-    for good, `StepCostFit.anchor`) join the shape's fit, or the wall-time fit."""
+    for good, `StepCostFit.anchor`) join the shape's fit, or the wall-time fit.
+
+    In the shape's fit the anchors count by their CPU time however little of their wall
+    time it was: where the window's CPU time is the work, the same engine's is too, and a
+    warm-up that waited for cores (replicas starting together on two) only stretched its
+    wall time. Held to the window's share test instead, such anchors were left out; a
+    decode replica whose window then held decode steps alone priced a prompt token at 0,
+    and a 1,816-token prompt at two steps' fixed cost (27.7 ms, against 1.6-3.5 s). Their
+    wall time stands in where they carry no CPU time."""
     if not fits_on_cpu_time(wall, cpu):
         if anchors is not None:
             a, wall, busy = (np.concatenate([x, y]) for x, y in zip((a, wall, busy), anchors[:3], strict=True))
         return fit_with_contention(a, wall, busy, fit, loss)
     loss = loss or relative_loss
     scale = scale or mean_ratio
-    if anchors is not None and fits_on_cpu_time(anchors[1], anchors[3]):
+    if anchors is not None:
+        anchor_work = anchors[3] if (anchors[3] > 0).all() else anchors[1]
         shape_a, shape_cpu, shape_busy = (np.concatenate([x, y]) for x, y in
-                                          zip((a, cpu, busy), (anchors[0], anchors[3], anchors[2]), strict=True))
+                                          zip((a, cpu, busy), (anchors[0], anchor_work, anchors[2]), strict=True))
     else:
         shape_a, shape_cpu, shape_busy = a, cpu, busy
     c_work, _ = fit_with_contention(shape_a, shape_cpu, shape_busy, fit, loss)
