@@ -81,7 +81,7 @@ def run_benchmark(cfg: PolicyBenchConfig, log: Log = lambda _msg: None) -> dict:
 
 def _log_mode(log: Log, mode: str, r: dict) -> None:
     log(f"{mode:9s} p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms  max {r['max_ms']:.3f} ms  "
-            f"(CPU p99 {r['cpu_p99_ms']:.3f} ms)  {r['decisions_per_s']:,.0f} decisions/s  routes {r['routes']}")
+        f"(CPU p99 {r['cpu_p99_ms']:.3f} ms)  {r['decisions_per_s']:,.0f} decisions/s  routes {r['routes']}")
 
 
 def run_mode(cfg: PolicyBenchConfig, mode: str) -> dict:
