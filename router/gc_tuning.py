@@ -7,7 +7,7 @@ the cluster view. Those pauses land on whichever request is being placed. `tune`
 moves everything alive after start-up into the permanent generation (`gc.freeze`, never
 scanned again), then lets the young generation grow to `gen0_threshold` before a
 collection. `pdcluster bench policy`, 64 replicas, auto mode: p99 of a decision 0.92-1.12
-ms and max 6-244 ms with the defaults, 0.74-0.80 ms and 1.0-1.2 ms tuned.
+ms and max 6-244 ms with the defaults, 0.74-0.81 ms and 1.0-1.5 ms tuned.
 
 Reference cycles still get collected (less often); reference counting frees everything
 else at once, as before.
