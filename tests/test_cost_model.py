@@ -315,9 +315,14 @@ def _fresh_prompt_s(model: StepCostFit, prompt_len: int = 2016, chunk: int = 512
                                           0, 0)) for s in range(0, prompt_len, chunk))
 
 
+def _true_prompt_s(prompt_len: int = 2016, chunk: int = 512) -> float:
+    """What `_fresh_prompt_s` should come to: the same chunks priced by TRUE."""
+    return sum(float(StepFeatures(min(chunk, prompt_len - s), min(chunk, prompt_len - s) * min(prompt_len, s + chunk),
+                                  0, 0).row() @ TRUE.vector()) for s in range(0, prompt_len, chunk))
+
+
 def test_the_warm_ups_records_pin_the_shape_a_one_chunk_window_cannot_tell():
-    truth = sum(float(StepFeatures(min(512, 2016 - s), min(512, 2016 - s) * min(2016, s + 512), 0, 0).row()
-                      @ TRUE.vector()) for s in range(0, 2016, 512))
+    truth = _true_prompt_s()
     warm = [dataclasses.replace(r, cpu_time_s=r.step_time_s) for r in synthetic_steps(120, seed=20)]
     live = _one_chunk_size(512)
     unanchored = fitted(warm + live)  # the warm-up's records pushed out of the window
@@ -351,8 +356,7 @@ def test_a_warm_up_that_waited_for_cores_still_pins_the_prefill_cost_of_a_decode
     """The warm-up ran beside other replicas starting on the same cores: its thread was
     on a CPU for 40% of its wall time. The live window holds decode steps alone (every
     prompt went elsewhere), so only the anchors see a prompt token; they price it."""
-    truth = sum(float(StepFeatures(min(512, 2016 - s), min(512, 2016 - s) * min(2016, s + 512), 0, 0).row()
-                      @ TRUE.vector()) for s in range(0, 2016, 512))
+    truth = _true_prompt_s()
     crowded = [dataclasses.replace(r, step_time_s=r.step_time_s / 0.4, cpu_time_s=r.step_time_s)
                for r in synthetic_steps(120, seed=30)]
     rng = random.Random(31)
