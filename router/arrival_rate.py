@@ -30,14 +30,15 @@ MAX_KEPT = 512  # placements kept per replica: 50/s over the window
 class ArrivalRate:
     """Per replica, the placements of the last `window_s`, each with `num_weights` weights
     (1 each by default: requests; prompt tokens and their work where the caller weighs
-    them so), and each weight's sum, kept as placements come and leave the window."""
+    them so) and an optional tag that is kept, never summed (a request's TTFT objective),
+    and each weight's sum, kept as placements come and leave the window."""
 
     def __init__(self, window_s: float = WINDOW_S, num_weights: int = 1) -> None:
         self.window_s, self.num_weights = window_s, num_weights
-        self._entries: dict[str, deque[tuple[float, ...]]] = {}  # (at, *weights), oldest first
+        self._entries: dict[str, deque[tuple[float, tuple[float, ...], float | None]]] = {}  # oldest first
         self._sums: dict[str, list[float]] = {}
 
-    def add(self, replica_id: str, at: float, *weights: float) -> None:
+    def add(self, replica_id: str, at: float, *weights: float, tag: float | None = None) -> None:
         """A placement at `at` (the policy's clock) on `replica_id`; no weights: 1 each."""
         weights = weights or (1.0,) * self.num_weights
         if len(weights) != self.num_weights:
@@ -46,7 +47,7 @@ class ArrivalRate:
         sums = self._sums.setdefault(replica_id, [0.0] * self.num_weights)
         if len(entries) == MAX_KEPT:
             _drop(entries.popleft(), sums)
-        entries.append((at, *weights))
+        entries.append((at, weights, tag))
         for i, w in enumerate(weights):
             sums[i] += w
 
@@ -59,9 +60,14 @@ class ArrivalRate:
 
     def recent(self, replica_id: str, now: float) -> tuple[tuple[float, ...], ...]:
         """The weights of each placement on `replica_id` over the last `window_s`, oldest first."""
-        return tuple(entry[1:] for entry in self._prune(replica_id, now))
+        return tuple([entry[1] for entry in self._prune(replica_id, now)])
 
-    def _prune(self, replica_id: str, now: float) -> deque[tuple[float, ...]]:
+    def tags(self, replica_id: str, now: float) -> tuple[float, ...]:
+        """The tag of each placement on `replica_id` over the last `window_s` that has one,
+        oldest first."""
+        return tuple([entry[2] for entry in self._prune(replica_id, now) if entry[2] is not None])
+
+    def _prune(self, replica_id: str, now: float) -> deque[tuple[float, tuple[float, ...], float | None]]:
         """The replica's placements still in the window (empty: none), the rest dropped."""
         entries = self._entries.get(replica_id)
         if not entries:
@@ -85,6 +91,6 @@ class ArrivalRate:
             self._sums.pop(gone, None)
 
 
-def _drop(entry: tuple[float, ...], sums: list[float]) -> None:
-    for i, w in enumerate(entry[1:]):
+def _drop(entry: tuple[float, tuple[float, ...], float | None], sums: list[float]) -> None:
+    for i, w in enumerate(entry[1]):
         sums[i] -= w

@@ -76,7 +76,7 @@ class ClusterView:
         self._heartbeat_loads: dict[str, tuple[ReplicaInfo, ReplicaLoad]] = {}
         self.nodes: dict[str, list[ReplicaInfo]] = {}  # node id -> its healthy replicas (known ids only)
         # per replica: the requests this router placed to decode there lately, each with its TTFT objective
-        self.arrivals = ArrivalRate(num_weights=2)
+        self.arrivals = ArrivalRate()
         # per replica: the prompt tokens (and their attention work) it placed to be computed there lately
         self.prompts = ArrivalRate(num_weights=2)
 
@@ -134,8 +134,7 @@ class ClusterView:
             arrival_rate=self.arrivals.rate(rid, now) if now is not None else 0.0,
             prompt_token_rate=prompt_tokens, prompt_work_rate=prompt_work,
             recent_prompts=self.prompts.recent(rid, now) if now is not None and recent_prompts else (),
-            arrival_ttft_objectives=tuple([e[1] for e in self.arrivals.recent(rid, now)])
-            if now is not None and arrival_objectives else (),
+            arrival_ttft_objectives=self.arrivals.tags(rid, now) if now is not None and arrival_objectives else (),
             node_id=replica.node_id, node_busy=node_busy)
 
     def stream_allowances(self, replica_id: str, now: float | None) -> tuple[float, ...]:
@@ -260,8 +259,8 @@ class ClusterView:
                 self.background_backlog[placement.prefill_on] += placement.prefill_tokens
                 self.background_backlog_work[placement.prefill_on] += placement.prefill_work
         if placement.target_replica:
-            self.arrivals.add(placement.target_replica, placement.placed_at, 1.0,
-                              placement.ttft_slo_s or math.inf)
+            self.arrivals.add(placement.target_replica, placement.placed_at,
+                              tag=placement.ttft_slo_s or math.inf)
             self.awaiting_first[placement.target_replica] += placement.num_sequences
             if _prefills_elsewhere(placement):
                 self.incoming.setdefault(placement.target_replica, {})[id(placement)] = placement

@@ -36,6 +36,18 @@ def test_the_oldest_placement_past_the_cap_leaves_the_sum_too():
     assert rate.rate("d1", float(MAX_KEPT + 10)) == pytest.approx(2.0 * MAX_KEPT / 1000.0)
 
 
+def test_a_tag_is_kept_per_placement_and_never_summed():
+    rate = ArrivalRate(window_s=10.0)
+    rate.add("d1", 0.0, tag=math.inf)  # a request without a TTFT objective
+    rate.add("d1", 5.0, tag=0.25)
+    rate.add("d1", 6.0)  # untagged
+    assert rate.tags("d1", 6.0) == (math.inf, 0.25)
+    assert rate.rates("d1", 6.0) == (pytest.approx(0.3),)
+    assert rate.tags("d1", 12.0) == (0.25,)  # the first has left the window
+    assert rate.rates("d1", 12.0) == (pytest.approx(0.2),)
+    assert rate.recent("d1", 12.0) == ((1.0,), (1.0,))
+
+
 def test_the_view_counts_the_prompt_tokens_placed_to_be_computed_on_a_replica():
     from router.cluster_view import ClusterView, ReplicaInfo
     from router.placement import Placement
