@@ -15,7 +15,8 @@ waiting on the same route and replica is (`ReplicaLoad.overdue`):
 
 A candidate meets the SLO when its TTFT and this request's TPOT meet the workload's and
 the TPOT the streams beside it will see meets theirs: what the tightest of them still in
-reach can afford. A stream that would miss its objective even with nothing added beside
+reach can afford. A remote prefill's chunks also stall the streams on its prefill replica
+(requests run whole there): they count as streams beside it too. A stream that would miss its objective even with nothing added beside
 it (it needs a smaller gap than the replica's decode step) is past reach: it neither
 sets the others' objective (one such stream made every route look as if it broke all of
 them, and sized background chunks at one token) nor counts as lost to any route. The
@@ -115,7 +116,8 @@ def corrected(candidate: Candidate, state: LearnedState, now: float) -> Predicti
     streams = state.factor("tpot", STREAMS, candidate.decode_replica, now)
     if candidate.kind == "background":  # slower, never faster, than any stream there: see corrections.py
         streams = max(streams, tpot)
-    return candidate.prediction.scaled(ttft, tpot, candidate.overdue_x, streams)
+    host = state.factor("tpot", STREAMS, candidate.prefill_replica, now) if candidate.host_streams else 1.0
+    return candidate.prediction.scaled(ttft, tpot, candidate.overdue_x, streams, host)
 
 
 def score(ctx: RouteContext, candidate: Candidate, prediction: Prediction, state: LearnedState = EMPTY,
@@ -123,28 +125,30 @@ def score(ctx: RouteContext, candidate: Candidate, prediction: Prediction, state
     slo_ttft, slo_tpot = ctx.slo.ttft_ms / 1000.0, ctx.slo.tpot_ms / 1000.0
     route = candidate.route
     slo_streams, past_reach = _streams_objective(ctx, candidate, state, now)
-    ratios = [prediction.ttft_s / slo_ttft]
+    ratios, weights = [prediction.ttft_s / slo_ttft], [1.0]
     own = _chance(state, "ttft", route, prediction.ttft_s, slo_ttft, now)
     if ctx.max_tokens >= 2:
         ratios.append(prediction.tpot_s / slo_tpot)
+        weights.append(1.0)
         own *= _chance(state, "tpot", route, prediction.tpot_s, slo_tpot, now)
     if candidate.kind == "whole" and ctx.whole is not None:  # a prefill replica: long prompts land there
         own *= 1.0 - predict.burst_miss_chance(ctx.shape, ctx.whole, prediction.tpot_s, slo_tpot)
-    own_meets = all(r <= 1.0 for r in ratios)
-    at_stake = max(0, candidate.num_streams - past_reach)  # the streams this route can still cost
-    streams_ratio = prediction.streams_tpot_s / slo_streams if at_stake else 0.0
-    streams_loss = 0.0
-    if at_stake:
-        ratios.append(streams_ratio)
-        chance = state.chance_within("tpot", route, prediction.streams_tpot_s, slo_streams, now)
-        miss = min(1.0, max(0.0, streams_ratio - 1.0)) if chance is None else 1.0 - chance
-        streams_loss = at_stake * miss
-    meets = own_meets and streams_ratio <= 1.0
     own_loss = (1.0 - own) * (1.0 + OVERLOAD_WEIGHT * min(max(ratios[0] - 1.0, 0.0), OVERLOAD_CAP))
-    # the streams' margin counts for those decoding there now and those expected to join
-    # while its chunks slow that replica's steps
-    weights = [1.0] * (len(ratios) - 1 if at_stake else len(ratios)) + (
-        [at_stake + candidate.joining_streams] if at_stake else [])
+    at_stake = max(0, candidate.num_streams - past_reach)  # the streams this route can still cost
+    streams_loss = 0.0
+    if at_stake:  # their margin counts for those decoding there now and those expected to join
+        ratio, streams_loss = _beside(state, route, prediction.streams_tpot_s, slo_streams, at_stake, now)
+        ratios.append(ratio)
+        weights.append(at_stake + candidate.joining_streams)
+    if candidate.host_streams:
+        slo_host, host_past = _host_objective(ctx, candidate, state, now)
+        host_at_stake = max(0, candidate.host_streams - host_past)
+        if host_at_stake:
+            ratio, host_loss = _beside(state, "local", prediction.host_streams_tpot_s, slo_host, host_at_stake, now)
+            ratios.append(ratio)
+            weights.append(host_at_stake)
+            streams_loss += host_loss
+    meets = all(r <= 1.0 for r in ratios)
     risk = sum(w * _at_risk(1.0 - r) for w, r in zip(weights, ratios, strict=True))
     if not at_stake and candidate.num_streams and candidate.joining_streams:
         risk += _joining_risk(prediction, candidate.joining_streams, slo_tpot)
@@ -169,6 +173,31 @@ def _streams_objective(ctx: RouteContext, candidate: Candidate, state: LearnedSt
         return math.inf, 0
     floor = predict.decode_step_s(ctx.decode) * state.factor("tpot", STREAMS, candidate.decode_replica, now)
     return stream_slo_s(ctx, floor)
+
+
+def _beside(state: LearnedState, route: str, tpot_s: float, objective_s: float, at_stake: int,
+            now: float) -> tuple[float, float]:
+    """(ratio to their objective, expected goodput lost) of `at_stake` streams predicted
+    to decode at `tpot_s` beside a candidate."""
+    ratio = tpot_s / objective_s
+    chance = state.chance_within("tpot", route, tpot_s, objective_s, now)
+    miss = min(1.0, max(0.0, ratio - 1.0)) if chance is None else 1.0 - chance
+    return ratio, at_stake * miss
+
+
+def _host_objective(ctx: RouteContext, candidate: Candidate, state: LearnedState,
+                    now: float) -> tuple[float, int]:
+    """`_streams_objective` for the streams on a remote candidate's prefill replica (the
+    requests run whole there), which its prompt's chunks stall. Run whole on the prefill
+    replica as the last short prompts left it, a 1,816-token request then decoded beside
+    every long remote prefill sent there after it: 16 tokens in 8.7 s against a 74 ms
+    objective, none of which its first prediction could see (bench cluster, load shift)."""
+    host = next((p for p in ctx.prefills if p.replica_id == candidate.prefill_replica), None)
+    default = ctx.slo.tpot_ms / 1000.0
+    if host is None:
+        return default, 0
+    floor = predict.decode_step_s(host) * state.factor("tpot", STREAMS, host.replica_id, now)
+    return predict.stream_objective_s(host, default, floor)
 
 
 def _joining_risk(prediction: Prediction, joining: float, slo_tpot_s: float) -> float:

@@ -15,7 +15,9 @@ candidate:
   transfer tail follows. The decode replica takes part at two step boundaries (it
   reserves the KV blocks before the prefill starts and commits them once they are
   written) and reports the first token with the step after, so a decode replica busy
-  with long prompt chunks adds about two of its steps.
+  with long prompt chunks adds about two of its steps. A request run whole on the
+  prefill replica decodes there beside the prompt's chunks: those streams are priced
+  too (`Prediction.host_streams_tpot_s`).
 - `local`: the prompt prefills on the decode replica behind its queue, each step also
   decoding the streams there (which wait for those steps), and its own chunks also
   decoding the prompts queued ahead of it there, which will be streams by then.
@@ -89,14 +91,19 @@ class Prediction:
     tpot_s: float  # this request's mean gap after its first token
     streams_tpot_s: float = 0.0  # the streams already decoding beside it (0: none)
     transfer_s: float = 0.0  # the part of `ttft_s` that is the KV's exposed transfer tail
+    # `remote`: the streams decoding on the prefill replica itself (requests run whole
+    # there), which its prompt's chunks stall (0: none)
+    host_streams_tpot_s: float = 0.0
 
-    def scaled(self, ttft: float, tpot: float, overdue: float = 1.0, streams: float | None = None) -> Prediction:
+    def scaled(self, ttft: float, tpot: float, overdue: float = 1.0, streams: float | None = None,
+               host_streams: float = 1.0) -> Prediction:
         """`ttft` rescales what the step models priced (the link's cost has its own fit,
         which follows a changed link by itself); `overdue` the whole TTFT; `streams` the
-        streams' TPOT (default: as `tpot`)."""
+        streams' TPOT (default: as `tpot`); `host_streams` those on the prefill replica."""
         ttft_s = scale_ttft(self.ttft_s, self.transfer_s, ttft) * overdue
         streams_tpot_s = self.streams_tpot_s * (tpot if streams is None else streams)
-        return Prediction(ttft_s, self.tpot_s * tpot, streams_tpot_s, self.transfer_s * overdue)
+        return Prediction(ttft_s, self.tpot_s * tpot, streams_tpot_s, self.transfer_s * overdue,
+                          self.host_streams_tpot_s * host_streams)
 
 
 def scale_ttft(ttft_s: float, transfer_s: float, factor: float) -> float:
@@ -112,6 +119,8 @@ class Candidate:
     prediction: Prediction
     chunk_tokens: int | None = None  # `background`: the prompt tokens per decoding step
     num_streams: int = 0  # the streams beside it
+    # `remote`: the streams on the prefill replica itself (requests run whole there)
+    host_streams: int = 0
     overdue_x: float = 1.0  # the prefill replica's `ReplicaLoad.overdue` on this route (a correction)
     # requests expected to start decoding beside it while its chunks slow the decode replica's steps
     joining_streams: float = 0.0
@@ -256,8 +265,9 @@ def remote(req: RequestShape, p: ReplicaLoad, d: ReplicaLoad, prefill_cached: in
         slowed = prefill.seconds / gap if gap > 0 else 0.0
         busy_steps, busy_s = busy_steps + slowed, busy_s + slowed * gap
     streams = _streams_tpot(d, busy_steps, busy_s / busy_steps if busy_steps else 0.0, _gap_with(req, d))
-    return Candidate("remote", d.replica_id, p.replica_id, Prediction(ttft, tpot, streams, tail),
-                     num_streams=d.num_streams,
+    host = _streams_tpot(p, prefill.busy_steps, prefill.step_s, expected_gap_s(p))
+    return Candidate("remote", d.replica_id, p.replica_id, Prediction(ttft, tpot, streams, tail, host),
+                     num_streams=d.num_streams, host_streams=p.num_streams,
                      overdue_x=p.overdue.get("disagg", 1.0), computed_tokens=req.prompt_len - start)
 
 

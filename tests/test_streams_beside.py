@@ -23,6 +23,7 @@ from router.cluster_view import ClusterView, ReplicaInfo
 from router.placement import PolicyInputs, place
 from router.routing import decide
 from tests.test_auto_policy import BUSY_STREAMS, ctx, replica
+from workers.engine.cost_model import StepCoefficients
 
 TIGHT = SLO(ttft_ms=2000, tpot_ms=12)
 SATURATED = (replica("p1", "prefill", queue_tokens=40_000),)
@@ -232,3 +233,24 @@ def test_the_view_lists_the_ttft_objective_of_each_request_placed_to_decode_ther
     assert view.load_of(d, now=3.0, arrival_objectives=True).arrival_ttft_objectives == (0.5, 0.15)
     assert view.load_of(d, now=3.0).arrival_ttft_objectives == ()  # only where asked
     assert view.load_of(d, now=11.5, arrival_objectives=True).arrival_ttft_objectives == (0.15,)  # 10 s window
+
+
+def test_a_remote_prefill_counts_the_request_running_whole_on_its_prefill_replica():
+    # a request runs whole on the prefill replica: 15 tokens left, 74 ms a token to spare;
+    # a prompt token costs 1 ms, as on the bench's CPU replicas
+    cpu = StepCoefficients(0.02, 1e-3, 0.0, 5e-4, 0.0)
+    host = replica("p1", "prefill", coefficients=cpu, num_streams=1, stream_context=1816,
+                   stream_tokens_left=15.0, stream_allowances=(0.074,), num_requests=1)
+    slo = SLO(ttft_ms=8000, tpot_ms=74)
+    context = ctx(prompt_len=1915, slo=slo, max_tokens=16, decode=replica("d1", coefficients=cpu), prefills=(host,))
+    remote = next(c for c in candidates(context) if c.kind == "remote")
+    assert remote.host_streams == 1
+    stalled = remote.prediction.host_streams_tpot_s
+    alone = predict.decode_step_s(host)
+    assert stalled > 0.074 > alone  # its chunks stall the stream past what it can afford
+    scored = score(context, remote, remote.prediction)
+    assert not scored.meets and scored.loss > 0.0
+    assert decide(context).route == "local"  # the decode replica is idle: the prompt prefills there
+    # with nothing running on the prefill replica, the same prompt costs nobody there
+    idle = dataclasses.replace(context, prefills=(replica("p1", "prefill", coefficients=cpu),))
+    assert next(c for c in candidates(idle) if c.kind == "remote").prediction.host_streams_tpot_s == 0.0
