@@ -300,13 +300,15 @@ def stream_objective_s(d: ReplicaLoad, default_s: float, floor_s: float) -> tupl
     past reach. A stream whose allowance is below `floor_s` (the gap it sees with nothing
     added, `expected_gap_s`) misses its objective whatever is placed beside it: it neither
     sets the others' objective nor counts as lost to any one route. `default_s` (this
-    workload's objective) where no stream's allowance is known; infinity when none is in
-    reach."""
+    workload's objective) for the streams whose allowance is unknown (another router's,
+    or any this router placed without one); infinity when every stream is past reach."""
     allowances = d.stream_allowances
     if not allowances:
         return default_s, 0
     past = bisect.bisect_left(allowances, floor_s)
-    return (allowances[past] if past < len(allowances) else math.inf), past
+    if past < len(allowances):
+        return allowances[past], past
+    return (default_s if d.num_streams + d.queued_streams > past else math.inf), past
 
 
 def background_chunk(req: RequestShape, d: ReplicaLoad, stream_tpot_slo_s: float) -> int:

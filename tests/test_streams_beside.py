@@ -61,6 +61,29 @@ def test_the_objective_is_the_least_allowance_still_in_reach(allowances, floor, 
 
 def test_without_allowances_the_workloads_objective_stands():
     assert predict.stream_objective_s(replica("d1"), 0.05, 0.009) == (0.05, 0)
+    # every known allowance past reach, one stream of three without one: it is held to the workload's
+    beside_unknown = replica("d1", stream_allowances=(0.0, 0.004), num_streams=3)
+    assert predict.stream_objective_s(beside_unknown, 0.05, 0.009) == (0.05, 2)
+
+
+def test_streams_without_a_known_allowance_still_count_where_the_others_are_past_reach():
+    """Bench cluster, tight cell: six streams on the decode replica, five of them this
+    router's and all five past reach. The sixth was held to an infinite objective, so a
+    1,496-token prefill beside it that would stretch its gaps to 144 ms cost nothing and
+    tied with remote (the prompt's own TPOT missed on both); a background prefill at the
+    whole budget then held the replica for two seconds."""
+    cpu = StepCoefficients(0.0155, 8.2e-4, 3.3e-7, 1.5e-3, 3e-6)
+    d = replica("d1", coefficients=cpu, num_streams=6, stream_context=900, stream_tokens_left=16.0,
+                stream_allowances=(0.0, 0.0, 0.0069, 0.0218, 0.0219), recent_gap_s=0.035, arrival_rate=2.7)
+    context = ctx(prompt_len=1496, slo=SLO(ttft_ms=2966, tpot_ms=29.74), max_tokens=8, decode=d,
+                  prefills=(replica("p1", "prefill", coefficients=cpu),))
+    scored = {c.kind: score(context, c, c.prediction) for c in candidates(context)}
+    assert scored["local"].candidate.prediction.streams_tpot_s > 0.1
+    assert scored["local"].loss > scored["remote"].loss + 0.5
+    # a background chunk is sized for that stream, not the whole budget, and waits far too long
+    assert scored["background"].candidate.chunk_tokens < 64
+    assert scored["background"].loss > scored["remote"].loss + 0.5
+    assert decide(context).route == "disagg"
 
 
 def _busy(allowances: tuple[float, ...]):
