@@ -15,13 +15,15 @@ waiting on the same route and replica is (`ReplicaLoad.overdue`):
 
 A candidate meets the SLO when its TTFT and this request's TPOT meet the workload's and
 the TPOT the streams beside it will see meets theirs: what the tightest of them still in
-reach can afford. A remote prefill's chunks also stall the streams on its prefill replica
-(requests run whole there): they count as streams beside it too. A stream that would miss its objective even with nothing added beside
-it (it needs a smaller gap than the replica's decode step) is past reach: it neither
-sets the others' objective (one such stream made every route look as if it broke all of
-them, and sized background chunks at one token) nor counts as lost to any route. The
-candidate that loses the least expected goodput wins (this request, plus each stream
-beside it); of equal ones, the one least at risk should the predictions be off: the sum,
+reach can afford. A remote prefill's chunks also stall the streams on its prefill
+replica (requests run whole there): they count as streams beside it too. A stream that
+would miss its objective even with nothing added beside it (it needs a smaller gap than
+the replica's decode step) is past reach: it neither sets the others' objective (one
+such stream made every route look as if it broke all of them, and sized background
+chunks at one token) nor counts as lost to any route. The candidate that loses the
+least expected goodput wins (this request, plus each stream beside it, plus, for a
+foreground prefill on the decode replica, the requests expected to arrive there and
+wait behind it past their TTFT objective: `Candidate.blocking_s`); of equal ones, the one least at risk should the predictions be off: the sum,
 over every request it touches (this request's TTFT and TPOT, and each stream beside it,
 including those expected to join while the candidate's prompt chunks slow that replica,
 `Candidate.joining_streams`, who count even where every stream there now is past reach;
@@ -152,10 +154,12 @@ def score(ctx: RouteContext, candidate: Candidate, prediction: Prediction, state
     risk = sum(w * _at_risk(1.0 - r) for w, r in zip(weights, ratios, strict=True))
     if not at_stake and candidate.num_streams and candidate.joining_streams:
         risk += _joining_risk(prediction, candidate.joining_streams, slo_tpot)
+    waiting_loss = 0.0
     if candidate.blocking_s > 0.0 and ctx.decode is not None and ctx.decode.arrival_ttft_objectives:
+        waiting_loss = _waiting_loss(candidate.blocking_s, ctx.decode.arrival_ttft_objectives)
         risk += _waiting_risk(candidate.blocking_s, ctx.decode.arrival_ttft_objectives)
-    return Scored(candidate, prediction, meets, tuple(sorted(1.0 - r for r in ratios)), own_loss + streams_loss,
-                  risk)
+    return Scored(candidate, prediction, meets, tuple(sorted(1.0 - r for r in ratios)),
+                  own_loss + streams_loss + waiting_loss, risk)
 
 
 def _streams_objective(ctx: RouteContext, candidate: Candidate, state: LearnedState,
@@ -210,6 +214,19 @@ def _joining_risk(prediction: Prediction, joining: float, slo_tpot_s: float) -> 
     short prompt after prefilled there too, keeping the gaps stretched (bench cluster,
     tight_tpot: auto 14 good requests against 20 disaggregated)."""
     return joining * _at_risk(1.0 - prediction.streams_tpot_s / slo_tpot_s)
+
+
+def _waiting_loss(blocking_s: float, objectives: tuple[float, ...]) -> float:
+    """The requests expected to miss their TTFT objective waiting behind a prompt that
+    holds the decode replica's foreground lane for `blocking_s`: they arrive as they did
+    over the last window, each waits for what is left of the prompt's prefill, and those
+    arriving more than their objective before its end miss. A remote candidate that
+    would stall a request run whole on its prefill replica loses that request; priced
+    without the arrivals, a 1,496-token prompt then prefilled on the decode replica, and
+    the ten requests that arrived in the next 1.5 s queued behind it (bench cluster,
+    balanced). The arrivals could have gone remote instead; where that route is free,
+    a foreground prefill of seconds is the wrong call anyway."""
+    return sum([max(0.0, blocking_s - objective) for objective in objectives]) / ARRIVAL_WINDOW_S
 
 
 def _waiting_risk(blocking_s: float, objectives: tuple[float, ...]) -> float:
