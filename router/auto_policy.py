@@ -20,11 +20,12 @@ replica (requests run whole there): they count as streams beside it too. A strea
 would miss its objective even with nothing added beside it (it needs a smaller gap than
 the replica's decode step) is past reach: it neither sets the others' objective (one
 such stream made every route look as if it broke all of them, and sized background
-chunks at one token) nor counts as lost to any route. The candidate that loses the
-least expected goodput wins (this request, plus each stream beside it, plus, for a
-foreground prefill on the decode replica, the requests expected to arrive there and
-wait behind it past their TTFT objective: `Candidate.blocking_s`); of equal ones, the one least at risk should the predictions be off: the sum,
-over every request it touches (this request's TTFT and TPOT, and each stream beside it,
+chunks at one token) nor counts as lost to any route. The candidate that loses the least
+expected goodput wins (this request, plus each stream beside it as far as the candidate
+adds to its chance of missing, plus, for a foreground prefill on the decode replica, the
+requests expected to arrive there and wait behind it past their TTFT objective:
+`Candidate.blocking_s`); of equal ones, the one least at risk should the predictions be
+off: the sum, over every request it touches (this request's TTFT and TPOT, and each stream beside it,
 including those expected to join while the candidate's prompt chunks slow that replica,
 `Candidate.joining_streams`, who count even where every stream there now is past reach;
 and, for a foreground prefill there, the TTFT of the prompts placed there meanwhile, who
@@ -60,6 +61,7 @@ from router.corrections import EMPTY, STREAMS, LearnedState
 from router.policy import Alternative, RouteContext, RouteDecision, RoutingPolicy
 from router.predict import Candidate, Prediction
 from router.queue_drain import drain
+from router.replica_load import ReplicaLoad
 
 EXPLORE_BUCKETS = 10_000
 REASON_BY_KIND = {"remote": "slo-disagg", "local": "slo-local", "background": "protect-streams",
@@ -139,14 +141,17 @@ def score(ctx: RouteContext, candidate: Candidate, prediction: Prediction, state
     at_stake = max(0, candidate.num_streams - past_reach)  # the streams this route can still cost
     streams_loss = 0.0
     if at_stake:  # their margin counts for those decoding there now and those expected to join
-        ratio, streams_loss = _beside(state, route, prediction.streams_tpot_s, slo_streams, at_stake, now)
+        ratio, streams_loss = _beside(state, route, prediction.streams_tpot_s, slo_streams, at_stake, now,
+                                      _untouched_gap_s(ctx.decode, state, now))
         ratios.append(ratio)
         weights.append(at_stake + candidate.joining_streams)
     if candidate.host_streams:
         slo_host, host_past = _host_objective(ctx, candidate, state, now)
         host_at_stake = max(0, candidate.host_streams - host_past)
         if host_at_stake:
-            ratio, host_loss = _beside(state, "local", prediction.host_streams_tpot_s, slo_host, host_at_stake, now)
+            host = next(p for p in ctx.prefills if p.replica_id == candidate.prefill_replica)
+            ratio, host_loss = _beside(state, "local", prediction.host_streams_tpot_s, slo_host, host_at_stake, now,
+                                       _untouched_gap_s(host, state, now))
             ratios.append(ratio)
             weights.append(host_at_stake)
             streams_loss += host_loss
@@ -180,13 +185,32 @@ def _streams_objective(ctx: RouteContext, candidate: Candidate, state: LearnedSt
 
 
 def _beside(state: LearnedState, route: str, tpot_s: float, objective_s: float, at_stake: int,
-            now: float) -> tuple[float, float]:
+            now: float, untouched_s: float = 0.0) -> tuple[float, float]:
     """(ratio to their objective, expected goodput lost) of `at_stake` streams predicted
-    to decode at `tpot_s` beside a candidate."""
+    to decode at `tpot_s` beside a candidate: their chance of missing beyond the one they
+    have at `untouched_s`, the gap they see whatever this request does.
+
+    Counted whole, a miss the streams were headed for anyway charged every candidate that
+    touches them: where a decode replica's gaps ran at 37-41 ms against a 29.74 ms
+    objective, a remote prefill that adds one stream there cost 1.2-1.6 requests, and
+    the long prompt ran whole on the prefill replica instead (bench cluster, tight_tpot),
+    where the remote prefills after it stalled it to 300-460 ms a token."""
     ratio = tpot_s / objective_s
+    return ratio, at_stake * max(0.0, _miss(state, route, tpot_s, objective_s, now)
+                                 - _miss(state, route, untouched_s, objective_s, now))
+
+
+def _miss(state: LearnedState, route: str, tpot_s: float, objective_s: float, now: float) -> float:
+    if tpot_s <= 0.0:
+        return 0.0
     chance = state.chance_within("tpot", route, tpot_s, objective_s, now)
-    miss = min(1.0, max(0.0, ratio - 1.0)) if chance is None else 1.0 - chance
-    return ratio, at_stake * miss
+    return min(1.0, max(0.0, tpot_s / objective_s - 1.0)) if chance is None else 1.0 - chance
+
+
+def _untouched_gap_s(r: ReplicaLoad, state: LearnedState, now: float) -> float:
+    """The gap the streams on `r` see with nothing added (`predict.expected_gap_s`),
+    rescaled as their TPOT is."""
+    return predict.expected_gap_s(r) * state.factor("tpot", STREAMS, r.replica_id, now)
 
 
 def _host_objective(ctx: RouteContext, candidate: Candidate, state: LearnedState,
