@@ -12,7 +12,9 @@ where (`PrefixIndex`). Where a request goes is decided from this view by
 `load_of` combines the two for the predictions (router/replica_load.py): a replica's
 queue is what its last heartbeat reported plus the prompts this router sent it since,
 less those that got their first token since, and never less than this router's own
-backlog there; so routers that share replicas see each other's work within a heartbeat.
+backlog there (less what the heartbeat says is computed of the prompts it names,
+`ReplicaLoad.prefill_progress`); so routers that share replicas see each other's work
+within a heartbeat.
 A request still prefilling on another replica already counts as a stream where it will
 decode once its predicted first token is within `INCOMING_HORIZON_S` (or late): it joins
 that replica's batch inside the life of anything placed there now. One behind a long
@@ -119,12 +121,17 @@ class ClusterView:
         queued = self.queued_here(rid)
         node_busy = float(self.node_busy(replica)) if base.coefficients.node_contention > 0 else 0.0
         prompt_tokens, prompt_work = self.prompts.rates(rid, now) if now is not None else (0.0, 0.0)
+        done = self._computed(rid, base.prefill_progress)
         return base.evolve(
             coefficients=base.coefficients.slowed(node_busy),
-            queue_tokens=max(self.backlog.get(rid, 0), base.queue_tokens + since.sent_tokens - since.done_tokens),
-            queue_work=max(self.backlog_work.get(rid, 0), base.queue_work + since.sent_work - since.done_work),
-            background_tokens=max(self.background_backlog.get(rid, 0), base.background_tokens),
-            background_work=max(self.background_backlog_work.get(rid, 0), base.background_work),
+            queue_tokens=max(self.backlog.get(rid, 0) - done.tokens,
+                             base.queue_tokens + since.sent_tokens - since.done_tokens),
+            queue_work=max(self.backlog_work.get(rid, 0) - done.work,
+                           base.queue_work + since.sent_work - since.done_work),
+            background_tokens=max(self.background_backlog.get(rid, 0) - done.background_tokens,
+                                  base.background_tokens),
+            background_work=max(self.background_backlog_work.get(rid, 0) - done.background_work,
+                                base.background_work),
             background_chunk_tokens=base.background_chunk_tokens or self._background_chunk(rid),
             num_streams=decoding + incoming, stream_context=int(context),
             num_requests=self.load(replica), stream_allowances=allowances,
@@ -267,6 +274,23 @@ class ClusterView:
             if placement.tpot_slo_s:
                 self.slo_streams.setdefault(placement.target_replica, {})[id(placement)] = placement
 
+    def _computed(self, replica_id: str, progress: dict[str, tuple[int, int]]) -> _Computed:
+        """Of this router's prompts still waiting for their first token on `replica_id`,
+        what its last heartbeat says is computed already (`ReplicaLoad.prefill_progress`).
+        The backlog counts each prompt whole until its first token: without this, a prompt
+        nine tenths computed still counted whole, and a long remote prefill behind it was
+        predicted a second late."""
+        done = _Computed()
+        if not progress:
+            return done
+        for route in ("disagg", "local"):
+            for p in self.waiting.get((route, replica_id), ()):
+                left = progress.get(p.request_id) if p.request_id and not p.first_token else None
+                if left is not None:
+                    done.add(max(0, p.prefill_tokens - left[0]), max(0, p.prefill_work - left[1]),
+                             p.decision.yield_prefill)
+        return done
+
     def _since(self, replica_id: str) -> _Since:
         return self.since.setdefault(replica_id, _Since())
 
@@ -340,6 +364,24 @@ class ClusterView:
             queue.popleft()
         if queue is not None and not queue:
             del self.waiting[key]
+
+
+@dataclass
+class _Computed:
+    """Prompt tokens (and their attention work) computed already of this router's prompts
+    still waiting on one replica, and of those the background prefills'."""
+
+    tokens: int = 0
+    work: int = 0
+    background_tokens: int = 0
+    background_work: int = 0
+
+    def add(self, tokens: int, work: int, background: bool) -> None:
+        self.tokens += tokens
+        self.work += work
+        if background:
+            self.background_tokens += tokens
+            self.background_work += work
 
 
 @dataclass

@@ -185,6 +185,7 @@ async def start(callers: Callers, view: ClusterView, draft: RequestDraft) -> Cal
     for _attempt in range(2):
         placement = place(view, draft.prompt_ids, draft.params.max_tokens, draft.profile, draft.forced_mode,
                           draft.offload_to_prefill, RequestWork.of(draft.params), draft.policy, keep_context=True)
+        placement.request_id = draft.request_id  # one prompt of several carries a suffix
         request = draft.generate_request(placement, callers.prefill_address(placement, view))
         view.begin(placement)
         stream = callers.call(placement, request, view)

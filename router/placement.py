@@ -70,6 +70,7 @@ class Placement:
     first_token_at: float | None = None  # the policy's clock at its first token (None: not told)
     tokens_back: int = 0  # tokens its sequences have streamed back, all sequences together
     context: RouteContext | None = field(default=None, repr=False)  # what the policy read (the decision log)
+    request_id: str = ""  # the id its replicas know it by (before the engine's counter)
 
     def tpot_allowance(self, now: float | None) -> float | None:
         """The mean gap its streams can still take over the tokens they have left and
@@ -166,7 +167,7 @@ def _placed(view: ClusterView, deployment: str, target: str, prefill_replica: st
                      prefill_tokens=_uncached(prompt_ids, computed_from),
                      num_sequences=work.num_sequences, prefill_work=prefill_work(start, len(prompt_ids), chunk)[2],
                      tpot_slo_s=inputs.slo.tpot_ms / 1000.0, ttft_slo_s=inputs.slo.ttft_ms / 1000.0,
-                     prompt_len=len(prompt_ids), placed_at=inputs.now)
+                     prompt_len=len(prompt_ids), placed_at=inputs.now, request_id=inputs.request_id)
 
 
 def _cached(view: ClusterView, replica: ReplicaInfo, hits: list[int], prompt_ids: list[int]) -> int:

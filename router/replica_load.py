@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field, fields
 
 from workers.engine.cost_model import DEFAULT_COEFFICIENTS, StepCoefficients
+from workers.engine.request_ids import origin_request_id
 from workers.engine.transfer_cost import DEFAULT_TRANSFER, TransferCoefficients
 
 DEFAULT_CHUNK_TOKENS = 1024
@@ -55,6 +56,9 @@ class ReplicaLoad:
     # route -> how far past its predicted TTFT the oldest request still waiting for its first
     # token from this replica's prefill is (>= 1; absent: none is late)
     overdue: dict[str, float] = field(default_factory=dict)
+    # the prompts partly computed here at the heartbeat, by the id they came with: (tokens,
+    # attention work) still to compute (`Scheduler.queue_stats`)
+    prefill_progress: dict[str, tuple[int, int]] = field(default_factory=dict)
     arrival_rate: float = 0.0  # requests placed to decode here per second lately (`router/arrival_rate.py`)
     # prompt tokens placed to be computed here per second lately, and their attention work
     prompt_token_rate: float = 0.0
@@ -126,7 +130,16 @@ def from_stats(replica_id: str, role: str, stats: dict, address: str | None = No
         num_requests=int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0)),
         kv_bytes_per_token=int(stats.get("kv_bytes_per_token", 0)), address=address, transfers=transfers,
         recent_gap_s=_positive(stats.get("recent_stream_gap_s")),
-        recent_decode_seqs=float(stats.get("recent_decode_seqs", 0.0) or 0.0))
+        recent_decode_seqs=float(stats.get("recent_decode_seqs", 0.0) or 0.0),
+        prefill_progress=_progress(stats.get("prefill_progress")))
+
+
+def _progress(report) -> dict[str, tuple[int, int]]:
+    """`prefill_progress` keyed by the ids the requests came with; malformed entries dropped."""
+    if not isinstance(report, dict):
+        return {}
+    return {origin_request_id(str(rid)): (int(left[0]), int(left[1])) for rid, left in report.items()
+            if isinstance(left, (list, tuple)) and len(left) == 2}
 
 
 def _positive(value) -> float | None:

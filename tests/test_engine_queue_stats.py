@@ -60,10 +60,12 @@ def test_stats_report_the_queue_and_the_step_model(make_engine, tiny_model_dir):
         "prompt_tokens_waiting": 150,
         "prompt_attention_waiting": prefill_work(0, 100, 32)[2] + prefill_work(0, 50, 32)[2],
         "num_decoding": 0, "decode_context_tokens": 0, "decode_tokens_remaining": 0}
+    assert stats["prefill_progress"] == {}  # nothing computed yet: a router counts both whole
     engine.step()  # a's first chunk takes the whole budget
     stats = engine.stats()
     assert stats["prompt_tokens_waiting"] == 68 + 50
     assert stats["prompt_attention_waiting"] == prefill_work(32, 100, 32)[2] + prefill_work(0, 50, 32)[2]
+    assert stats["prefill_progress"] == {"a": [68, prefill_work(32, 100, 32)[2]]}
     while any(not s.is_decoding for s in engine.requests.values()):
         engine.step()
     a, b = engine.requests["a"], engine.requests["b"]
@@ -75,7 +77,7 @@ def test_stats_report_the_queue_and_the_step_model(make_engine, tiny_model_dir):
     while engine.has_unfinished_requests():
         engine.step()
     stats = engine.stats()
-    assert all(stats[k] == 0 for k in QUEUE_KEYS)
+    assert all(stats[k] == 0 for k in QUEUE_KEYS) and stats["prefill_progress"] == {}
     assert json.loads(json.dumps(stats)) == stats  # plain values: they travel in heartbeats
     assert set(stats["step_model"]) == {f.name for f in dataclasses.fields(StepCoefficients)}
     assert 0 < stats["step_model"]["num_samples"] <= engine.cost_fit.num_samples  # as of the last refit

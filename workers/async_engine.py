@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import itertools
 import logging
 import threading
 import time
@@ -35,6 +34,7 @@ from workers.engine.kv_types import (
     KVReservation,
     KVSink,
 )
+from workers.engine.request_ids import engine_request_id
 from workers.engine.sampling_params import SamplingParams
 from workers.protocol import GenerateChunk
 
@@ -43,7 +43,6 @@ if TYPE_CHECKING:  # the engine module pulls in transformers; workers build it l
     from workers.engine.sequence import RequestOutput, TokenLogprob
 
 log = logging.getLogger(__name__)
-_nonce = itertools.count()
 T = TypeVar("T")
 _Call = tuple[Callable[..., Any], tuple[Any, ...], concurrent.futures.Future[Any]]  # fn, args, result
 
@@ -193,7 +192,7 @@ class AsyncEngine:
 
     def new_request_id(self, request_id: str) -> str:
         """Engine-unique id: clients may reuse an x-request-id, retries reuse it too."""
-        return f"{request_id}#{next(_nonce)}"
+        return engine_request_id(request_id)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        seed: int, *, kv_sink: KVSink | None = None,

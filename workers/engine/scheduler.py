@@ -51,6 +51,7 @@ class ScheduledSeq:
 
 
 DEFAULT_YIELD_TOKENS = 32  # before the engine has step records to size it
+MAX_PROGRESS_REPORTED = 32  # partly computed prompts a heartbeat names (`queue_stats`)
 
 
 class Scheduler:
@@ -243,7 +244,16 @@ class Scheduler:
             "decode_context_tokens": sum(s.num_tokens for s in decoding),
             "decode_tokens_remaining": sum(max(0, s.params.max_tokens - len(s.output_token_ids))
                                            for s in decoding),
+            "prefill_progress": self._progress(prefilling),
         }
+
+    def _progress(self, prefilling: list[Sequence]) -> dict[str, list[int]]:
+        """{engine request id: [tokens, attention work] still to compute} of the prompts
+        partly computed (at most `MAX_PROGRESS_REPORTED`): a router counts the others
+        whole, and without this it counts these whole too, however far along they are."""
+        started = [s for s in prefilling if s.num_computed_tokens > 0 and s.index == 0]
+        return {s.request_id: [s.num_uncomputed_tokens, self._waiting_work(s)]
+                for s in started[:MAX_PROGRESS_REPORTED]}
 
     def _background_chunk(self) -> int:
         first = self._first_background() or next((s for s in self.waiting if _is_background(s)), None)

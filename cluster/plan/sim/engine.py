@@ -31,6 +31,7 @@ from cluster.plan.sim.recent import RecentDecode
 from cluster.plan.sim.sequence import SimSeq
 from cluster.plan.sim.step_rules import Listener, StepRules
 from workers.engine.cost_model import StepCoefficients, prefill_work
+from workers.engine.scheduler import MAX_PROGRESS_REPORTED
 
 Schedule = Callable[..., None]  # EventQueue.schedule(at, callback, late=False)
 
@@ -273,12 +274,19 @@ class SimEngine(StepRules):
             "num_decoding": n_dec + len(self.ready),
             "decode_context_tokens": self.decoding.context(k) + ready_context,
             "decode_tokens_remaining": self.decoding.tokens_remaining(k) + sum(s.output_len for s in self.ready),
+            "prefill_progress": self._progress(prefilling),
             **(self.recent.stats(now) if now is not None else {}),
             "step_model": self._step_model,
             "kv_bytes_per_token": self.limits.kv_bytes_per_token,
             "max_num_batched_tokens": self.budget,
             "max_num_seqs": self.max_num_seqs,
         }
+
+    def _progress(self, prefilling: list[SimSeq]) -> dict[str, list[int]]:
+        """`Scheduler.queue_stats`'s partly computed prompts, by their request's id."""
+        started = [s for s in prefilling if s.num_computed > 0 and getattr(s.owner, "request_id", None)]
+        return {s.owner.request_id: [s.num_uncomputed, prefill_work(s.num_computed, s.prompt_len, self.budget)[2]]
+                for s in started[:MAX_PROGRESS_REPORTED]}
 
     @property
     def load(self) -> int:
