@@ -16,10 +16,11 @@ backlog there (less what the heartbeat says is computed of the prompts it names,
 `ReplicaLoad.prefill_progress`); so routers that share replicas see each other's work
 within a heartbeat.
 A request still prefilling on another replica already counts as a stream where it will
-decode once its predicted first token is within `INCOMING_HORIZON_S` (or late): it joins
-that replica's batch inside the life of anything placed there now. One behind a long
-remote queue does not; counting it made an overloaded prefill pool look like streams on
-every decode replica, which pushed yet more prompts onto that queue. And a request still
+decode once its predicted first token is nearer than its own predicted decode lasts
+(`incoming_horizon_s`, or it is late): it joins that replica's batch inside the life of
+a stream placed there now. One behind a long remote queue does not; counting it made an
+overloaded prefill pool look like streams on every decode replica, which pushed yet
+more prompts onto that queue. And a request still
 waiting for its first token past its predicted TTFT is evidence before it finishes:
 `load_of(replica, now)` reports, per route, how far past it the oldest one prefilling
 there is (`ReplicaLoad.overdue`), so
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
 
 OVERDUE_MARGIN_S = 0.05  # a first token this late past its prediction is jitter, not evidence
 MAX_OVERDUE = 8.0  # as a correction: one request counts as at most this ratio
-INCOMING_HORIZON_S = 5.0  # a remote request counts where it will decode once its first token is this near
+INCOMING_HORIZON_S = 5.0  # at most this near, a remote request counts where it will decode (`incoming_horizon_s`)
 
 
 class ClusterView:
@@ -174,13 +175,16 @@ class ClusterView:
 
     def incoming_soon(self, replica_id: str, now: float | None = None) -> tuple[int, int]:
         """(sequences, their context tokens) prefilling elsewhere that will decode on
-        `replica_id`: with `now`, only those whose first token is predicted within
-        `INCOMING_HORIZON_S` (or already late); a request behind a long remote queue does
-        not join this batch within the life of anything placed here now."""
+        `replica_id`: with `now`, only those whose first token is predicted within their
+        own decode's length (`incoming_horizon_s`) or already late. One due later joins
+        the batch after a stream like it placed now would be gone: counted, a request
+        behind a long remote queue made an overloaded prefill pool look like streams on
+        every decode replica, which pushed yet more prompts onto that queue."""
         seqs = context = 0
         for p in self.incoming.get(replica_id, {}).values():
-            if now is None or p.decision.prediction is None or \
-                    p.placed_at + p.decision.prediction.ttft_s <= now + INCOMING_HORIZON_S:
+            prediction = p.decision.prediction
+            if now is None or prediction is None or \
+                    p.placed_at + prediction.ttft_s <= now + incoming_horizon_s(p.max_tokens, prediction.tpot_s):
                 seqs += p.num_sequences
                 context += p.num_sequences * p.prompt_len
         return seqs, context
@@ -364,6 +368,17 @@ class ClusterView:
             queue.popleft()
         if queue is not None and not queue:
             del self.waiting[key]
+
+
+def incoming_horizon_s(max_tokens: int, tpot_s: float) -> float:
+    """How soon a request prefilling elsewhere must be due to count as a stream where it
+    will decode: within its own predicted decode (at most `INCOMING_HORIZON_S`). Long
+    prompts of 16 tokens each, one every 0.6 s behind a 3-7 s remote queue, counted 5-8
+    streams on a decode replica that decoded one or two at a time (bench cluster, load
+    shift): its steps looked 2-3x their length, and a background prefill there had to
+    shrink its chunk to a token."""
+    decode_s = max(max_tokens - 1, 0) * tpot_s
+    return min(INCOMING_HORIZON_S, decode_s) if math.isfinite(decode_s) else INCOMING_HORIZON_S
 
 
 @dataclass

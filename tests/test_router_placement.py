@@ -119,7 +119,7 @@ def test_placement_spills_a_prompt_where_its_first_token_comes_sooner():
 def test_a_request_behind_a_long_remote_queue_is_not_yet_a_stream_where_it_will_decode():
     """Counted once its predicted first token is within the horizon (or late), not while
     it waits behind a long prefill queue."""
-    from router.cluster_view import INCOMING_HORIZON_S
+    from router.cluster_view import incoming_horizon_s
 
     view = ClusterView(block_size=16, max_num_seqs=8)
     view.update([replica("d1", "decode"), replica("p1", "prefill")])
@@ -128,12 +128,24 @@ def test_a_request_behind_a_long_remote_queue_is_not_yet_a_stream_where_it_will_
         far.decision, prediction=dataclasses.replace(far.decision.prediction, ttft_s=30.0)), placed_at=100.0)
     view.begin(far)
     assert view.incoming_soon("d1", now=100.0) == (0, 0)
-    assert view.incoming_soon("d1", now=130.0 - INCOMING_HORIZON_S) == (1, 100)
+    horizon = incoming_horizon_s(far.max_tokens, far.decision.prediction.tpot_s)
+    assert 0 < horizon < 1.0  # 7 gaps of a tiny model's predicted decode
+    assert view.incoming_soon("d1", now=130.0 - 2 * horizon) == (0, 0)
+    assert view.incoming_soon("d1", now=130.0 - horizon) == (1, 100)
     assert view.incoming_soon("d1", now=200.0) == (1, 100)  # late: any moment now
     assert view.incoming_soon("d1") == (1, 100)  # no clock: every one
     assert view.load_of(view.replicas["d1"], now=100.0).num_streams == 0
     view.end(far)
     assert view.incoming == {}
+
+
+def test_the_incoming_horizon_is_the_requests_own_decode():
+    from router.cluster_view import INCOMING_HORIZON_S, incoming_horizon_s
+
+    assert incoming_horizon_s(16, 0.025) == 15 * 0.025  # joins before a stream like it placed now is done
+    assert incoming_horizon_s(1, 0.025) == 0.0  # one token: it never decodes beside anything (late ones count)
+    assert incoming_horizon_s(4096, 0.05) == INCOMING_HORIZON_S
+    assert incoming_horizon_s(16, float("inf")) == INCOMING_HORIZON_S
 
 
 def test_a_stream_is_held_to_the_tpot_budget_it_has_left():
