@@ -57,7 +57,7 @@ from dataclasses import dataclass
 
 from router import predict
 from router.arrival_rate import WINDOW_S as ARRIVAL_WINDOW_S
-from router.corrections import EMPTY, STREAMS, LearnedState
+from router.corrections import EMPTY, STREAMS, LearnedState, tpot_key
 from router.policy import Alternative, RouteContext, RouteDecision, RoutingPolicy
 from router.predict import Candidate, Prediction
 from router.queue_drain import drain
@@ -112,11 +112,12 @@ def corrected(candidate: Candidate, state: LearnedState, now: float) -> Predicti
     """The raw prediction rescaled by what this router measured of the route on these
     replicas (of background prefills, for one: `Candidate.learned_as`; the TTFT of long
     prompts apart: `Candidate.ttft_learned_as`), and by how late
-    the route's oldest prompt there still waiting already is; the streams beside it by
-    what it measured of every stream on the decode replica (`corrections.STREAMS`)."""
+    the route's oldest prompt there still waiting already is; its own TPOT and the
+    streams beside it by what it measured of every stream on the decode replica
+    (`corrections.STREAMS`; a background prefill's own TPOT by its own: `tpot_key`)."""
     learned_as = candidate.learned_as
     ttft = state.factor("ttft", candidate.ttft_learned_as, candidate.prefill_replica, now)
-    tpot = state.factor("tpot", learned_as, candidate.decode_replica, now)
+    tpot = state.factor("tpot", tpot_key(learned_as), candidate.decode_replica, now)
     streams = state.factor("tpot", STREAMS, candidate.decode_replica, now)
     if candidate.kind == "background":  # slower, never faster, than any stream there: see corrections.py
         streams = max(streams, tpot)

@@ -8,7 +8,9 @@ more tokens). A correction factor (measured / predicted, smoothed on the log sca
 then rescales later predictions for that replica and route, so a slow prefill pool, a
 slow network or a cold transfer path shows up in the predictions within a few requests.
 Background prefills keep factors of their own (`Candidate.learned_as`): a foreground
-one's errors say little about theirs. So do long prompts' TTFT (`Candidate.ttft_learned_as`,
+one's errors say little about theirs. A request's own TPOT is otherwise corrected by
+what every stream on its decode replica measured (`tpot_key`), whatever its route; the
+per-route TPOT factors are kept for the record (`GET /admin/policy`). So do long prompts' TTFT (`Candidate.ttft_learned_as`,
 key `<route>:long` from `predict.LONG_PROMPT_TOKENS` computed tokens): a short prompt's
 TTFT error is mostly the steps and hops around its prefill, and rescaled by it a long
 prompt's prefill looked 1.4x what it then took. The streams decoding beside a candidate are
@@ -71,6 +73,7 @@ HALF_LIFE_S = 60.0
 RESIDUALS = 128  # per metric and route: the recent measured / corrected ratios kept
 MIN_RESIDUALS = 16  # fewer: a prediction is taken as exact
 STREAMS = "streams"  # the TPOT key learned from every route's outcomes on a replica
+BACKGROUND = "background"  # `Candidate.learned_as` of a background prefill
 
 
 @dataclass(frozen=True)
@@ -164,7 +167,7 @@ class Corrections:
         tail = min(max(outcome.predicted_transfer_s, 0.0), outcome.predicted_ttft_s)
         self._residual("ttft", outcome, outcome.ttft_key, outcome.prefill_replica, outcome.predicted_ttft_s,
                        outcome.measured_ttft_s, state, now, tail)
-        self._residual("tpot", outcome, outcome.key, outcome.decode_replica, outcome.predicted_tpot_s,
+        self._residual("tpot", outcome, tpot_key(outcome.key), outcome.decode_replica, outcome.predicted_tpot_s,
                        outcome.measured_tpot_s, state, now)
         self._update(("ttft", outcome.ttft_key, outcome.prefill_replica), outcome.predicted_ttft_s - tail,
                      outcome.measured_ttft_s - tail, now)
@@ -214,6 +217,16 @@ class Corrections:
             entry = dict(c.to_dict(), effective=round(state.factor(metric, route, replica, now), 4))
             out.setdefault(replica, {})[f"{metric}/{route}"] = entry
         return out
+
+
+def tpot_key(learned_as: str) -> str:
+    """The key a request's own TPOT is corrected under: its decode replica's streams
+    (`STREAMS`, every route's outcomes there), a background prefill apart. Whichever
+    way its prompt was computed, a request decodes as one more stream there; corrected
+    by its route's own factor, the route whose last outcomes came in while long local
+    prefills stalled the replica looked 2-3x slower to decode there than the other
+    route, whose outcomes had not come in yet, and the prefills that stalled it won."""
+    return learned_as if learned_as == BACKGROUND else STREAMS
 
 
 def _usable(predicted: float, measured: float) -> bool:

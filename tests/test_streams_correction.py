@@ -36,3 +36,25 @@ def test_the_streams_beside_every_candidate_are_rescaled_alike():
     assert slow.factor("tpot", "background", "d1", 1.0) > slow.factor("tpot", "streams", "d1", 1.0)
     assert corrected(by_kind["background"], slow, 1.0).streams_tpot_s == pytest.approx(
         by_kind["background"].prediction.streams_tpot_s * slow.factor("tpot", "background", "d1", 1.0))
+
+
+def test_a_requests_own_tpot_is_corrected_as_every_stream_on_its_decode_replica():
+    """It decodes there as one more stream whichever way its prompt was computed: a
+    remote prefill's and a local one's own TPOT take the replica's streams factor, so
+    outcomes of one route alone (those that came in while the replica was stalled) do not
+    make that route look slower to decode on the same replica. A background prefill
+    keeps its own."""
+    corrections = Corrections()
+    for _ in range(3):
+        corrections.observe(Outcome("disagg", "p1", "d1", 1.0, 1.0, 0.030, 0.090), now=0.0)
+    state = corrections.snapshot()
+    streams_f = state.factor("tpot", "streams", "d1", 0.0)
+    assert streams_f > 2.0 and state.factor("tpot", "local", "d1", 0.0) == 1.0
+    prefill = replica("p1", role="prefill")
+    by_kind = {c.kind: c for c in candidates(ctx(prompt_len=100, decode=replica("d1", **BUSY_STREAMS),
+                                                prefills=[prefill]))}
+    for kind in ("local", "remote"):
+        c = by_kind[kind]
+        assert corrected(c, state, 0.0).tpot_s == pytest.approx(c.prediction.tpot_s * streams_f), kind
+    background = by_kind["background"]
+    assert corrected(background, state, 0.0).tpot_s == pytest.approx(background.prediction.tpot_s)
