@@ -22,7 +22,8 @@ the replica's decode step) is past reach: it neither sets the others' objective 
 such stream made every route look as if it broke all of them, and sized background
 chunks at one token) nor counts as lost to any route. The candidate that loses the least
 expected goodput wins (this request, plus each stream beside it as far as the candidate
-adds to its chance of missing, plus, for a foreground prefill on the decode replica, the
+adds to its chance of missing, and so each request expected to join them while a prompt
+prefilled there slows their steps, plus, for a foreground prefill on the decode replica, the
 requests expected to arrive there and wait behind it past their TTFT objective:
 `Candidate.blocking_s`); of equal ones, the one least at risk should the predictions be
 off: the sum, over every request it touches (this request's TTFT and TPOT, and each stream beside it,
@@ -156,6 +157,9 @@ def score(ctx: RouteContext, candidate: Candidate, prediction: Prediction, state
             ratios.append(ratio)
             weights.append(host_at_stake)
             streams_loss += host_loss
+    if candidate.joining_streams and prediction.streams_tpot_s > 0.0 and ctx.decode is not None:
+        streams_loss += _joining_loss(state, route, prediction.streams_tpot_s, slo_tpot, candidate.joining_streams,
+                                      _untouched_gap_s(ctx.decode, state, now), now)
     meets = all(r <= 1.0 for r in ratios)
     risk = sum(w * _at_risk(1.0 - r) for w, r in zip(weights, ratios, strict=True))
     if not at_stake and candidate.num_streams and candidate.joining_streams:
@@ -227,6 +231,21 @@ def _host_objective(ctx: RouteContext, candidate: Candidate, state: LearnedState
         return default, 0
     floor = predict.decode_step_s(host) * state.factor("tpot", STREAMS, host.replica_id, now)
     return predict.stream_objective_s(host, default, floor)
+
+
+def _joining_loss(state: LearnedState, route: str, tpot_s: float, objective_s: float, joining: float,
+                  untouched_s: float, now: float) -> float:
+    """The requests expected to start decoding beside a prompt prefilled on the decode
+    replica while its chunks slow the steps there (`Candidate.joining_streams`), each as
+    far as the candidate adds to its chance of missing this workload's objective (they
+    arrive with their whole budget). Whichever way their own prompts run, they decode
+    on that replica. Left out of the loss, streams already past reach there made a
+    foreground prefill look free: each one stretched the replica's gaps for the requests
+    arriving after it, which were then past reach too, and long prompts kept prefilling
+    there until those 16-token requests decoded at 100-270 ms a token against 68 (bench
+    cluster, load shift)."""
+    return joining * max(0.0, _miss(state, route, tpot_s, objective_s, now)
+                         - _miss(state, route, untouched_s, objective_s, now))
 
 
 def _joining_risk(prediction: Prediction, joining: float, slo_tpot_s: float) -> float:

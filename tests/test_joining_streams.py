@@ -76,3 +76,31 @@ def test_a_candidate_knows_the_streams_joining_while_its_chunks_run():
             d, predict.own_prompt(0, 1496, slow.chunk_tokens, background_chunk=slow.chunk_tokens)).own_s)
     assert predict.background(req, busy, 0, 0.012).joining_streams > 1.0
     assert predict.remote(req, replica("p1", "prefill"), busy, 0, 0).joining_streams == 0.0
+
+
+def test_streams_past_reach_do_not_make_a_foreground_prefill_free_for_the_requests_arriving():
+    """Every stream on the decode replica is past its budget, but its gaps (56 ms lately)
+    are inside the 68 ms objective the arriving requests bring. A 1,500-token prompt
+    prefilled there in the foreground would stall every request that starts decoding
+    meanwhile: what it adds to their chance of missing is lost, and it goes to the idle
+    prefill replica instead. Where nothing arrives, nobody else pays for it locally."""
+    from router.auto_policy import AutoPolicy, candidates, score
+    from workers.engine.cost_model import StepCoefficients
+
+    slo = SLO(ttft_ms=3300, tpot_ms=68)
+    cpu = StepCoefficients(0.01, 4e-4, 1.4e-7, 1e-3, 3.5e-6)  # the bench's CPU replicas, fitted
+
+    def scored(arrival_rate: float) -> dict:
+        decode = replica("d1", coefficients=cpu, num_streams=4, stream_context=4 * 1500, stream_tokens_left=8.0,
+                         stream_allowances=(0.0,) * 4, recent_gap_s=0.056, arrival_rate=arrival_rate)
+        context = ctx(prompt_len=1500, slo=slo, decode=decode, max_tokens=16,
+                      prefills=(replica("p1", "prefill", coefficients=cpu),))
+        return context, {c.kind: score(context, c, c.prediction) for c in candidates(context)}
+
+    context, busy = scored(1.3)
+    local = busy["local"]
+    assert local.candidate.joining_streams > 0.5
+    assert local.loss >= 0.5 * local.candidate.joining_streams  # they land far past 68 ms beside its chunks
+    assert AutoPolicy().decide(context).candidate.kind == "remote"
+    _, quiet = scored(0.0)
+    assert quiet["local"].loss < 0.5 and quiet["local"].loss < local.loss

@@ -208,9 +208,10 @@ def test_streams_stretched_by_recent_prompts_are_still_protected_from_the_next()
 def test_with_every_stream_past_reach_the_requests_about_to_join_keep_prompts_off_the_replica():
     """Eight streams all past reach (gaps stretched to 40 ms lately against a 26 ms
     objective): this request misses its TPOT on every route and costs those streams
-    nothing, so the routes tie on loss. The requests arriving while its prompt runs there
-    start with their whole budget: they tip the tie to remote, where nothing stalls the
-    replica. With none arriving, the quicker local route stands."""
+    nothing. The requests arriving while its prompt runs there start with their whole
+    budget: what its chunks add to their chance of missing is lost locally, and remote,
+    where nothing stalls the replica, wins. With none arriving, the routes tie on loss
+    and the quicker local route stands."""
     slo = SLO(ttft_ms=20_000, tpot_ms=26)
 
     def decided(arrival_rate: float):
@@ -218,7 +219,11 @@ def test_with_every_stream_past_reach_the_requests_about_to_join_keep_prompts_of
                             **BUSY_STREAMS)
         context = ctx(prompt_len=200, slo=slo, decode=stretched)
         scored = {c.kind: score(context, c, c.prediction) for c in candidates(context)}
-        assert scored["local"].loss == scored["remote"].loss == 1.0  # a tie on loss
+        assert scored["remote"].loss == 1.0
+        if arrival_rate:
+            assert scored["local"].loss > scored["remote"].loss
+        else:
+            assert scored["local"].loss == 1.0  # a tie on loss
         return decide(context)
 
     quiet = decided(0.0)
