@@ -120,7 +120,7 @@ def corrected(candidate: Candidate, state: LearnedState, now: float) -> Predicti
     ttft = state.factor("ttft", candidate.ttft_learned_as, candidate.prefill_replica, now)
     tpot = state.factor("tpot", tpot_key(learned_as), candidate.decode_replica, now)
     streams = state.factor("tpot", STREAMS, candidate.decode_replica, now)
-    if candidate.kind == "background":  # slower, never faster, than any stream there: see corrections.py
+    if candidate.yields:  # slower, never faster, than any stream there: see corrections.py
         streams = max(streams, tpot)
     host = state.factor("tpot", STREAMS, candidate.prefill_replica, now) if candidate.host_streams else 1.0
     return candidate.prediction.scaled(ttft, tpot, candidate.overdue_x, streams, host)

@@ -207,9 +207,11 @@ def test_background_prefills_are_corrected_apart_from_foreground_ones():
     state = corrections.snapshot()
     assert state.factor("ttft", "local", "d1", 0.0) < 0.4 and state.factor("tpot", "local", "d1", 0.0) < 0.6
     assert state.factor("ttft", "background", "d1", 0.0) == state.factor("tpot", "background", "d1", 0.0) == 1.0
-    context = ctx(prompt_len=200, decode=replica("d1", **BUSY_STREAMS))  # short: its TTFT is learned as its route
+    # more than one background chunk, fewer tokens than a long prompt's TTFT is learned apart at
+    context = ctx(prompt_len=400, decode=replica("d1", **BUSY_STREAMS))
     by_kind = {c.kind: c for c in candidates(context)}
     background = by_kind["background"]
+    assert background.yields and background.ttft_learned_as == "background"
     assert background.learned_as == "background" and by_kind["local"].learned_as == "local"
     assert corrected(background, state, 0.0) == background.prediction
     assert corrected(by_kind["local"], state, 0.0).ttft_s < 0.4 * by_kind["local"].prediction.ttft_s

@@ -22,7 +22,9 @@ def test_the_streams_beside_every_candidate_are_rescaled_alike():
     state = corrections.snapshot()
     local_f, background_f, streams_f = (state.factor("tpot", key, "d1", 0.0) for key in ("local", "background", "streams"))
     assert background_f < streams_f < 1.0 < local_f
-    by_kind = {c.kind: c for c in candidates(ctx(prompt_len=100, decode=replica("d1", **BUSY_STREAMS)))}
+    # 400 tokens: more than one background chunk, fewer than a long prompt's
+    by_kind = {c.kind: c for c in candidates(ctx(prompt_len=400, decode=replica("d1", **BUSY_STREAMS)))}
+    assert by_kind["background"].yields
     for kind in ("local", "background", "remote"):
         c = by_kind[kind]
         shown = corrected(c, state, 0.0)
@@ -51,10 +53,32 @@ def test_a_requests_own_tpot_is_corrected_as_every_stream_on_its_decode_replica(
     streams_f = state.factor("tpot", "streams", "d1", 0.0)
     assert streams_f > 2.0 and state.factor("tpot", "local", "d1", 0.0) == 1.0
     prefill = replica("p1", role="prefill")
-    by_kind = {c.kind: c for c in candidates(ctx(prompt_len=100, decode=replica("d1", **BUSY_STREAMS),
+    by_kind = {c.kind: c for c in candidates(ctx(prompt_len=400, decode=replica("d1", **BUSY_STREAMS),
                                                 prefills=[prefill]))}
     for kind in ("local", "remote"):
         c = by_kind[kind]
         assert corrected(c, state, 0.0).tpot_s == pytest.approx(c.prediction.tpot_s * streams_f), kind
     background = by_kind["background"]
     assert corrected(background, state, 0.0).tpot_s == pytest.approx(background.prediction.tpot_s)
+
+
+def test_a_background_prompt_that_fits_in_one_chunk_is_corrected_as_a_foreground_one():
+    """It runs in one step, as a foreground prompt does: the background factors, learned
+    from prefills that yield for seconds, do not make it look quicker than local on the
+    same replica. A prompt of many chunks keeps them."""
+    corrections = Corrections()
+    corrections.observe(Outcome("local", "d1", "d1", 0.3, 0.15, 0.030, 0.015, learned_as="background"), now=0.0)
+    corrections.observe(Outcome("local", "d1", "d1", 0.3, 0.45, 0.030, 0.030), now=0.0)
+    state = corrections.snapshot()
+    local_f, background_f = (state.factor("ttft", key, "d1", 0.0) for key in ("local", "background"))
+    assert background_f < 1.0 < local_f
+    decode = replica("d1", **BUSY_STREAMS)
+    short = {c.kind: c for c in candidates(ctx(prompt_len=60, decode=decode))}
+    assert short["background"].chunk_tokens >= 60 and not short["background"].yields
+    assert short["background"].learned_as == "local"
+    assert corrected(short["background"], state, 0.0).ttft_s == pytest.approx(
+        short["background"].prediction.ttft_s * local_f)
+    chunks = {c.kind: c for c in candidates(ctx(prompt_len=400, decode=decode))}
+    assert chunks["background"].yields and chunks["background"].learned_as == "background"
+    assert corrected(chunks["background"], state, 0.0).ttft_s == pytest.approx(
+        chunks["background"].prediction.ttft_s * background_f)
