@@ -11,7 +11,6 @@ from router.predict import Prediction
 from router.replica_load import from_stats
 from workers.engine.request_ids import engine_request_id, origin_request_id
 
-
 _PREDICTED = Prediction(1.0, 0.01)
 
 
