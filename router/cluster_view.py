@@ -32,11 +32,11 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from router.arrival_rate import ArrivalRate
 from router.prefix_index import PrefixIndex
+from router.prompt_tally import Computed, Since
 from router.replica_info import ReplicaInfo
 from router.replica_load import DEFAULT_CHUNK_TOKENS, ReplicaLoad, from_stats
 
@@ -71,7 +71,7 @@ class ClusterView:
         self._healthy: dict[tuple[str, int], tuple[dict, list[ReplicaInfo]]] = {}
         self.index = PrefixIndex(prefix_capacity_blocks)
         self.backlog_work: Counter[str] = Counter()  # their attention work (router/predict.py)
-        self.since: dict[str, _Since] = {}  # per replica: this router's prompts since its last heartbeat
+        self.since: dict[str, Since] = {}  # per replica: this router's prompts since its last heartbeat
         # per replica: this router's requests that decode there under a TPOT objective
         self.slo_streams: dict[str, dict[int, Placement]] = {}
         # per replica: its heartbeat parsed (`from_stats`), once per heartbeat rather than per
@@ -88,7 +88,7 @@ class ClusterView:
         self.replicas = {r.replica_id: r for r in replicas}
         for r in replicas:
             if r.replica_id not in old or old[r.replica_id].last_heartbeat != r.last_heartbeat:
-                self.since[r.replica_id] = _Since()  # the new heartbeat counts what came before
+                self.since[r.replica_id] = Since()  # the new heartbeat counts what came before
         for gone in set(self.since) - set(self.replicas):
             del self.since[gone]
         for key in [k for k in self.waiting if k[1] not in self.replicas]:
@@ -113,7 +113,7 @@ class ClusterView:
         lately (only the local candidates read them)."""
         rid = replica.replica_id
         base = self._heartbeat_load(replica)
-        since = self.since.get(rid) or _Since()
+        since = self.since.get(rid) or Since()
         decoding = max(base.num_streams, self.num_streams(replica))
         per_stream = base.stream_context / base.num_streams if base.num_streams else 0.0
         incoming, incoming_context = self.incoming_soon(rid, now)
@@ -125,13 +125,13 @@ class ClusterView:
         done = self._computed(rid, base.prefill_progress)
         return base.evolve(
             coefficients=base.coefficients.slowed(node_busy),
-            queue_tokens=max(self.backlog.get(rid, 0) - done.tokens,
-                             base.queue_tokens + since.sent_tokens - since.done_tokens),
-            queue_work=max(self.backlog_work.get(rid, 0) - done.work,
-                           base.queue_work + since.sent_work - since.done_work),
-            background_tokens=max(self.background_backlog.get(rid, 0) - done.background_tokens,
+            queue_tokens=max(self.backlog.get(rid, 0) - done.all.tokens,
+                             base.queue_tokens + since.sent.tokens - since.done.tokens),
+            queue_work=max(self.backlog_work.get(rid, 0) - done.all.work,
+                           base.queue_work + since.sent.work - since.done.work),
+            background_tokens=max(self.background_backlog.get(rid, 0) - done.background.tokens,
                                   base.background_tokens),
-            background_work=max(self.background_backlog_work.get(rid, 0) - done.background_work,
+            background_work=max(self.background_backlog_work.get(rid, 0) - done.background.work,
                                 base.background_work),
             background_chunk_tokens=base.background_chunk_tokens or self._background_chunk(rid),
             num_streams=decoding + incoming, stream_context=int(context),
@@ -175,11 +175,7 @@ class ClusterView:
 
     def incoming_soon(self, replica_id: str, now: float | None = None) -> tuple[int, int]:
         """(sequences, their context tokens) prefilling elsewhere that will decode on
-        `replica_id`: with `now`, only those whose first token is predicted within their
-        own decode's length (`incoming_horizon_s`) or already late. One due later joins
-        the batch after a stream like it placed now would be gone: counted, a request
-        behind a long remote queue made an overloaded prefill pool look like streams on
-        every decode replica, which pushed yet more prompts onto that queue."""
+        `replica_id`: with `now`, only those due within `incoming_horizon_s` or late."""
         seqs = context = 0
         for p in self.incoming.get(replica_id, {}).values():
             prediction = p.decision.prediction
@@ -263,7 +259,7 @@ class ClusterView:
         if placement.prefill_on:
             self.backlog[placement.prefill_on] += placement.prefill_tokens
             self.backlog_work[placement.prefill_on] += placement.prefill_work
-            self._since(placement.prefill_on).sent(placement.prefill_tokens, placement.prefill_work)
+            self._since(placement.prefill_on).sent.add(placement.prefill_tokens, placement.prefill_work)
             self.prompts.add(placement.prefill_on, placement.placed_at, placement.prefill_tokens,
                              placement.prefill_work)
             if placement.decision.yield_prefill:
@@ -278,13 +274,13 @@ class ClusterView:
             if placement.tpot_slo_s:
                 self.slo_streams.setdefault(placement.target_replica, {})[id(placement)] = placement
 
-    def _computed(self, replica_id: str, progress: dict[str, tuple[int, int]]) -> _Computed:
+    def _computed(self, replica_id: str, progress: dict[str, tuple[int, int]]) -> Computed:
         """Of this router's prompts still waiting for their first token on `replica_id`,
         what its last heartbeat says is computed already (`ReplicaLoad.prefill_progress`).
         The backlog counts each prompt whole until its first token: without this, a prompt
         nine tenths computed still counted whole, and a long remote prefill behind it was
         predicted a second late."""
-        done = _Computed()
+        done = Computed()
         if not progress:
             return done
         for route in ("disagg", "local"):
@@ -295,8 +291,8 @@ class ClusterView:
                              p.decision.yield_prefill)
         return done
 
-    def _since(self, replica_id: str) -> _Since:
-        return self.since.setdefault(replica_id, _Since())
+    def _since(self, replica_id: str) -> Since:
+        return self.since.setdefault(replica_id, Since())
 
     def end(self, placement: Placement) -> None:
         self.first_token(placement)
@@ -343,7 +339,7 @@ class ClusterView:
             if placement.decision.yield_prefill:
                 _decrement(self.background_backlog, placement.prefill_on, placement.prefill_tokens)
                 _decrement(self.background_backlog_work, placement.prefill_on, placement.prefill_work)
-            self._since(placement.prefill_on).done(placement.prefill_tokens, placement.prefill_work)
+            self._since(placement.prefill_on).done.add(placement.prefill_tokens, placement.prefill_work)
         if placement.target_replica:
             _decrement(self.awaiting_first, placement.target_replica, placement.num_sequences)
             if _prefills_elsewhere(placement):
@@ -379,43 +375,6 @@ def incoming_horizon_s(max_tokens: int, tpot_s: float) -> float:
     shrink its chunk to a token."""
     decode_s = max(max_tokens - 1, 0) * tpot_s
     return min(INCOMING_HORIZON_S, decode_s) if math.isfinite(decode_s) else INCOMING_HORIZON_S
-
-
-@dataclass
-class _Computed:
-    """Prompt tokens (and their attention work) computed already of this router's prompts
-    still waiting on one replica, and of those the background prefills'."""
-
-    tokens: int = 0
-    work: int = 0
-    background_tokens: int = 0
-    background_work: int = 0
-
-    def add(self, tokens: int, work: int, background: bool) -> None:
-        self.tokens += tokens
-        self.work += work
-        if background:
-            self.background_tokens += tokens
-            self.background_work += work
-
-
-@dataclass
-class _Since:
-    """Prompt tokens (and their attention work) this router sent a replica, and those that
-    got their first token, since the replica's last heartbeat."""
-
-    sent_tokens: int = 0
-    sent_work: int = 0
-    done_tokens: int = 0
-    done_work: int = 0
-
-    def sent(self, tokens: int, work: int) -> None:
-        self.sent_tokens += tokens
-        self.sent_work += work
-
-    def done(self, tokens: int, work: int) -> None:
-        self.done_tokens += tokens
-        self.done_work += work
 
 
 def _prefills_elsewhere(placement: Placement) -> bool:

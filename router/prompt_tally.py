@@ -1,0 +1,41 @@
+"""Prompt tokens and their attention work, as the router's view tallies them per replica
+between heartbeats (`router/cluster_view.py`): what this router sent a replica since its
+last heartbeat and what got its first token since, and what the heartbeat says is
+computed already of the prompts still waiting there."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Tally:
+    tokens: int = 0
+    work: int = 0
+
+    def add(self, tokens: int, work: int) -> None:
+        self.tokens += tokens
+        self.work += work
+
+
+@dataclass
+class Since:
+    """This router's prompts on one replica since its last heartbeat: those it sent, and
+    those that got their first token."""
+
+    sent: Tally = field(default_factory=Tally)
+    done: Tally = field(default_factory=Tally)
+
+
+@dataclass
+class Computed:
+    """What is computed already of this router's prompts still waiting on one replica,
+    and of those its background prefills' share."""
+
+    all: Tally = field(default_factory=Tally)
+    background: Tally = field(default_factory=Tally)
+
+    def add(self, tokens: int, work: int, background: bool) -> None:
+        self.all.add(tokens, work)
+        if background:
+            self.background.add(tokens, work)
