@@ -141,10 +141,11 @@ def score(ctx: RouteContext, candidate: Candidate, prediction: Prediction, state
         own *= 1.0 - predict.burst_miss_chance(ctx.shape, ctx.whole, prediction.tpot_s, slo_tpot)
     own_loss = (1.0 - own) * (1.0 + OVERLOAD_WEIGHT * min(max(ratios[0] - 1.0, 0.0), OVERLOAD_CAP))
     at_stake = max(0, candidate.num_streams - past_reach)  # the streams this route can still cost
+    joining = candidate.joining_streams if prediction.streams_tpot_s > 0.0 else 0.0
+    untouched = _untouched_gap_s(ctx.decode, state, now) if (at_stake or joining) and ctx.decode else 0.0
     streams_loss = 0.0
     if at_stake:  # their margin counts for those decoding there now and those expected to join
-        ratio, streams_loss = _beside(state, route, prediction.streams_tpot_s, slo_streams, at_stake, now,
-                                      _untouched_gap_s(ctx.decode, state, now))
+        ratio, streams_loss = _beside(state, route, prediction.streams_tpot_s, slo_streams, at_stake, now, untouched)
         ratios.append(ratio)
         weights.append(at_stake + candidate.joining_streams)
     if candidate.host_streams:
@@ -157,9 +158,8 @@ def score(ctx: RouteContext, candidate: Candidate, prediction: Prediction, state
             ratios.append(ratio)
             weights.append(host_at_stake)
             streams_loss += host_loss
-    if candidate.joining_streams and prediction.streams_tpot_s > 0.0 and ctx.decode is not None:
-        streams_loss += _joining_loss(state, route, prediction.streams_tpot_s, slo_tpot, candidate.joining_streams,
-                                      _untouched_gap_s(ctx.decode, state, now), now)
+    if joining and ctx.decode is not None:
+        streams_loss += _joining_loss(state, route, prediction.streams_tpot_s, slo_tpot, joining, untouched, now)
     meets = all(r <= 1.0 for r in ratios)
     risk = sum(w * _at_risk(1.0 - r) for w, r in zip(weights, ratios, strict=True))
     if not at_stake and candidate.num_streams and candidate.joining_streams:
@@ -200,9 +200,14 @@ def _beside(state: LearnedState, route: str, tpot_s: float, objective_s: float, 
     objective, a remote prefill that adds one stream there cost 1.2-1.6 requests, and
     the long prompt ran whole on the prefill replica instead (bench cluster, tight_tpot),
     where the remote prefills after it stalled it to 300-460 ms a token."""
-    ratio = tpot_s / objective_s
-    return ratio, at_stake * max(0.0, _miss(state, route, tpot_s, objective_s, now)
-                                 - _miss(state, route, untouched_s, objective_s, now))
+    return tpot_s / objective_s, at_stake * _added_miss(state, route, tpot_s, objective_s, untouched_s, now)
+
+
+def _added_miss(state: LearnedState, route: str, tpot_s: float, objective_s: float, untouched_s: float,
+                now: float) -> float:
+    """How much a stream's chance of missing `objective_s` grows from the gap it sees
+    untouched (`untouched_s`) to the one predicted beside a candidate (`tpot_s`)."""
+    return max(0.0, _miss(state, route, tpot_s, objective_s, now) - _miss(state, route, untouched_s, objective_s, now))
 
 
 def _miss(state: LearnedState, route: str, tpot_s: float, objective_s: float, now: float) -> float:
@@ -244,8 +249,7 @@ def _joining_loss(state: LearnedState, route: str, tpot_s: float, objective_s: f
     arriving after it, which were then past reach too, and long prompts kept prefilling
     there until those 16-token requests decoded at 100-270 ms a token against 68 (bench
     cluster, load shift)."""
-    return joining * max(0.0, _miss(state, route, tpot_s, objective_s, now)
-                         - _miss(state, route, untouched_s, objective_s, now))
+    return joining * _added_miss(state, route, tpot_s, objective_s, untouched_s, now)
 
 
 def _joining_risk(prediction: Prediction, joining: float, slo_tpot_s: float) -> float:

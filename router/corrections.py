@@ -8,12 +8,13 @@ more tokens). A correction factor (measured / predicted, smoothed on the log sca
 then rescales later predictions for that replica and route, so a slow prefill pool, a
 slow network or a cold transfer path shows up in the predictions within a few requests.
 Background prefills keep factors of their own (`Candidate.learned_as`): a foreground
-one's errors say little about theirs. A request's own TPOT is otherwise corrected by
-what every stream on its decode replica measured (`tpot_key`), whatever its route; the
-per-route TPOT factors are kept for the record (`GET /admin/policy`). So do long prompts' TTFT (`Candidate.ttft_learned_as`,
+one's errors say little about theirs. So do long prompts' TTFT (`Candidate.ttft_learned_as`,
 key `<route>:long` from `predict.LONG_PROMPT_TOKENS` computed tokens): a short prompt's
 TTFT error is mostly the steps and hops around its prefill, and rescaled by it a long
-prompt's prefill looked 1.4x what it then took. The streams decoding beside a candidate are
+prompt's prefill looked 1.4x what it then took. A request's own TPOT, a background
+prefill's aside, is corrected by what every stream on its decode replica measured
+(`tpot_key`), whatever its route; the per-route TPOT factors are kept for the record
+(`GET /admin/policy`). The streams decoding beside a candidate are
 corrected by one more TPOT factor per replica, learned from every TPOT outcome there
 whatever its route (`STREAMS`): they are the same streams whichever way the new prompt
 runs, so every candidate on that replica rescales them alike. Rescaled by the candidate's
