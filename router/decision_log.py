@@ -1,5 +1,7 @@
-"""A router replica's recent routing decisions, each with what the policy saw and every
-candidate it priced (`GET /admin/decisions`): why a request went where it went.
+"""A router replica's recent routing decisions, each with what the policy saw, every
+candidate it priced and, once the request finished, what the router measured beside what
+it predicted (`GET /admin/decisions`): why a request went where it went, and how that
+turned out.
 
 Recording keeps references only (the request's placement, which holds the context the
 policy read and its decision); entries are formatted when read, so the hot path pays an
@@ -51,11 +53,21 @@ def describe(request_id: str, workload: str, at: float, placement: Placement) ->
         "prompt_len": placement.prompt_len, "max_tokens": placement.max_tokens,
         "route": decision.route, "reason": decision.reason,
         "kind": decision.candidate.kind if decision.candidate is not None else None,
+        **_predicted_and_measured(placement),
         "decode_replica": placement.target_replica, "prefill_replica": placement.prefill_on,
         "decode": _load(ctx.decode) if ctx is not None and ctx.decode is not None else None,
         "prefills": [_load(p) for p in ctx.prefills] if ctx is not None else [],
         "alternatives": [_alternative(a) for a in decision.alternatives],
     }
+
+
+def _predicted_and_measured(placement: Placement) -> dict[str, float | None]:
+    """What the response headers said (corrected) beside what the router then measured
+    (arrival to first token; the mean gap after it); None until the request finished."""
+    shown = placement.decision.prediction
+    return {"predicted_ttft_ms": _ms(shown.ttft_s) if shown else None,
+            "predicted_tpot_ms": _ms(shown.tpot_s) if shown else None,
+            "measured_ttft_ms": _ms(placement.measured_ttft_s), "measured_tpot_ms": _ms(placement.measured_tpot_s)}
 
 
 def _load(r: ReplicaLoad) -> dict[str, Any]:

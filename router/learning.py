@@ -38,6 +38,7 @@ class PolicyLearner:
     def learn(self, placement: Placement, ttft_s: float, tpot_s: float | None) -> None:
         """Observe one finished request, under the route the policy chose (even where the
         worker fell back: a failing remote path is what must show up as slow)."""
+        placement.measured_ttft_s, placement.measured_tpot_s = ttft_s, tpot_s
         outcome = outcome_of(placement, ttft_s, tpot_s)
         if outcome is None:
             return

@@ -71,6 +71,8 @@ class Placement:
     tokens_back: int = 0  # tokens its sequences have streamed back, all sequences together
     context: RouteContext | None = field(default=None, repr=False)  # what the policy read (the decision log)
     request_id: str = ""  # the id its replicas know it by (before the engine's counter)
+    measured_ttft_s: float | None = None  # router-side, once it finished (the decision log)
+    measured_tpot_s: float | None = None  # its mean gap after the first token (two tokens or more)
 
     def tpot_allowance(self, now: float | None) -> float | None:
         """The mean gap its streams can still take over the tokens they have left and

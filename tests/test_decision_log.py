@@ -3,9 +3,11 @@ what the policy read and every candidate it priced."""
 
 from __future__ import annotations
 
-from cluster.config import SLO, WorkloadProfile
+from cluster.config import SLO, RouterSettings, WorkloadProfile
 from router.cluster_view import ClusterView, ReplicaInfo
 from router.decision_log import DecisionLog
+from router.learning import PolicyLearner
+from router.metrics import RouterMetrics
 from router.placement import PolicyInputs, place
 
 
@@ -45,3 +47,20 @@ def test_the_log_keeps_the_newest_oldest_first_and_clears():
     assert log.read()[1]["decode"] is None  # a placement that kept no context: nothing read to show
     log.clear()
     assert log.read() == []
+
+
+def test_a_finished_request_shows_what_was_measured_beside_what_was_predicted():
+    view, log = _view(), DecisionLog()
+    inputs = PolicyInputs("req-1", SLO(ttft_ms=2000, tpot_ms=50), now=1.0)
+    placement = place(view, list(range(300)), 5, WorkloadProfile(mode="auto"), None, offload_to_prefill=False,
+                      inputs=inputs, keep_context=True)
+    log.record("req-1", "chat", placement, at=100.0)
+    (entry,) = log.read()
+    shown = placement.decision.prediction
+    assert entry["predicted_ttft_ms"] == round(shown.ttft_s * 1e3, 3) > 0
+    assert entry["predicted_tpot_ms"] == round(shown.tpot_s * 1e3, 3) > 0
+    assert entry["measured_ttft_ms"] is None and entry["measured_tpot_ms"] is None  # still running
+    learner = PolicyLearner(RouterSettings(), RouterMetrics("m"), "router-1", clock=lambda: 2.0)
+    learner.learn(placement, 0.25, 0.0125)
+    (entry,) = log.read()
+    assert (entry["measured_ttft_ms"], entry["measured_tpot_ms"]) == (250.0, 12.5)
