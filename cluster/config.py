@@ -160,7 +160,7 @@ class RouterSettings(_Strict):
     request_timeout_s: float = Field(default=600.0, gt=0)  # whole request, router side
     state_poll_interval_s: float = Field(default=0.5, gt=0, le=1.0)  # profiles reach routers < 2 s
     heartbeat_timeout_s: float = Field(default=3.0, gt=0)  # replica unhealthy after this silence
-    offload_local_to_prefill: bool = True  # a local request may run whole on an idle prefill replica
+    offload_local_to_prefill: bool = True  # a local request may run whole on a prefill replica (router/placement.py)
     # `generate` travels over an authenticated ZeroMQ stream from the router to the chosen
     # replica (workers/stream/client.py); false: through Serve handles (a few ms more per hop)
     worker_stream: bool = True

@@ -9,7 +9,8 @@ waiting on the same route and replica is (`ReplicaLoad.overdue`):
 - `local` on the decode replica, in the foreground,
 - `background` on the decode replica at the chunk size that keeps its streams inside
   their TPOT objective (only while it has streams),
-- `whole` on an idle prefill replica (only when the placement offers one); its chance
+- `whole` on a prefill replica, beside the requests already run whole there (only when
+  the placement offers one); its chance
   of meeting the SLO also counts the long remote prefills that may land beside it there
   (`predict.burst_miss_chance`).
 
@@ -98,15 +99,22 @@ def candidates(ctx: RouteContext) -> list[Candidate]:
     return out
 
 
-def stream_slo_s(ctx: RouteContext, floor_s: float = 0.0) -> tuple[float, int]:
-    """The mean gap the streams on the decode replica still in reach can afford, and how
-    many are past reach (`predict.stream_objective_s`: those that need less than `floor_s`,
-    the gap they see with nothing added); this workload's TPOT objective where no stream's
-    allowance is known."""
+def stream_slo_s(ctx: RouteContext, floor_s: float = 0.0, r: ReplicaLoad | None = None) -> tuple[float, int]:
+    """The mean gap the streams on the decode replica (or `r`) still in reach can afford,
+    and how many are past reach (`predict.stream_objective_s`: those that need less than
+    `floor_s`, the gap they see with nothing added); this workload's TPOT objective where
+    no stream's allowance is known."""
     default = ctx.slo.tpot_ms / 1000.0
-    if ctx.decode is None:
+    r = r or ctx.decode
+    if r is None:
         return default, 0
-    return predict.stream_objective_s(ctx.decode, default, floor_s)
+    return predict.stream_objective_s(r, default, floor_s)
+
+
+def streams_host(ctx: RouteContext, candidate: Candidate) -> ReplicaLoad | None:
+    """The replica whose streams a candidate decodes beside: the prefill replica for a
+    request run whole there, else the decode replica."""
+    return ctx.whole if candidate.kind == "whole" else ctx.decode
 
 
 def corrected(candidate: Candidate, state: LearnedState, now: float) -> Prediction:
@@ -142,7 +150,8 @@ def score(ctx: RouteContext, candidate: Candidate, prediction: Prediction, state
     own_loss = (1.0 - own) * (1.0 + OVERLOAD_WEIGHT * min(max(ratios[0] - 1.0, 0.0), OVERLOAD_CAP))
     at_stake = max(0, candidate.num_streams - past_reach)  # the streams this route can still cost
     joining = candidate.joining_streams if prediction.streams_tpot_s > 0.0 else 0.0
-    untouched = _untouched_gap_s(ctx.decode, state, now) if (at_stake or joining) and ctx.decode else 0.0
+    beside = streams_host(ctx, candidate)
+    untouched = _untouched_gap_s(beside, state, now) if (at_stake or joining) and beside else 0.0
     streams_loss = 0.0
     if at_stake:  # their margin counts for those decoding there now and those expected to join
         ratio, streams_loss = _beside(state, route, prediction.streams_tpot_s, slo_streams, at_stake, now, untouched)
@@ -158,7 +167,7 @@ def score(ctx: RouteContext, candidate: Candidate, prediction: Prediction, state
             ratios.append(ratio)
             weights.append(host_at_stake)
             streams_loss += host_loss
-    if joining and ctx.decode is not None:
+    if joining and beside is not None:
         streams_loss += _joining_loss(state, route, prediction.streams_tpot_s, slo_tpot, joining, untouched, now)
     meets = all(r <= 1.0 for r in ratios)
     risk = sum(w * _at_risk(1.0 - r) for w, r in zip(weights, ratios, strict=True))
@@ -183,10 +192,11 @@ def _streams_objective(ctx: RouteContext, candidate: Candidate, state: LearnedSt
     its gaps past a tight objective had every stream past reach; a 1,496-token prompt
     then cost no stream anything locally and prefilled there, and the streams after it
     decoded at 40-90 ms a token against 26 (bench cluster run AY, tight_tpot)."""
-    if not candidate.num_streams or ctx.decode is None:
+    beside = streams_host(ctx, candidate)
+    if not candidate.num_streams or beside is None:
         return math.inf, 0
-    floor = predict.decode_step_s(ctx.decode) * state.factor("tpot", STREAMS, candidate.decode_replica, now)
-    return stream_slo_s(ctx, floor)
+    floor = predict.decode_step_s(beside) * state.factor("tpot", STREAMS, candidate.decode_replica, now)
+    return stream_slo_s(ctx, floor, beside)
 
 
 def _beside(state: LearnedState, route: str, tpot_s: float, objective_s: float, at_stake: int,

@@ -77,7 +77,7 @@ class RequestDraft:
     workload: str
     profile: WorkloadProfile
     forced_mode: str | None  # a client `x-pd-mode` the profile allows
-    offload_to_prefill: bool  # an idle prefill replica may run a local request whole
+    offload_to_prefill: bool  # a prefill replica may run a local request whole
     prefill_timeout_s: float  # the worker's remote prefill + transfer, then local fallback
     first_chunk_timeout_s: float  # no first chunk by then: a 503
     policy: PolicyInputs = PolicyInputs()  # the objectives, learned corrections and clock it is routed by

@@ -2,8 +2,10 @@
 
 `place()` picks the decode replica (prefix-cache affinity first, then load), the prefill
 replica (shortest queue), asks the routing policy (router/policy.py), and may send a
-local request whole to an idle prefill replica so that no hardware idles while the
-decode replica is the busier one. It reads the view and changes nothing; the caller
+local request whole to the prefill replica, so that no hardware idles while the decode
+replica is the busier one: `auto` prices that beside the requests already run whole
+there, while the prefill replica computes no prompt (it then decodes too, as long as
+that serves the SLOs best); the fixed rules take it only while it is idle. It reads the view and changes nothing; the caller
 records the request with `ClusterView.begin(placement)` when it sends it.
 
 The request's `RequestWork` changes the counts: n sequences need n of the decode
@@ -121,8 +123,9 @@ def _place(view: ClusterView, prompt_ids: list[int], max_tokens: int, profile: W
         return _whole_on(view, prefill, hashes, hits, prompt_ids, decision, work, inputs), None
     decode, hit_blocks = _choose_decode(view, decodes, hits)
     num_cached = min(hit_blocks * view.block_size, len(prompt_ids) - 1)
-    whole = prefill if offload_to_prefill and prefill is not None and _prefer_prefill(
-        view, prefill, decode, hits, hit_blocks) else None
+    priced = (forced_mode or profile.mode) == "auto"
+    whole = prefill if offload_to_prefill and prefill is not None and _offers_whole(
+        view, prefill, decode, hits, hit_blocks, priced, len(prompt_ids), max_tokens, work) else None
     ctx = RouteContext(
         prompt_len=len(prompt_ids), num_cached_tokens=num_cached, profile=profile,
         forced_mode=forced_mode, num_healthy_prefill=len(prefills),
@@ -232,12 +235,33 @@ def _blocks_needed(block_size: int, prompt_len: int, max_tokens: int, hit_blocks
     return max(0, shared - hit_blocks) + num_sequences * per_sequence
 
 
-def _prefer_prefill(view: ClusterView, prefill: ReplicaInfo, decode: ReplicaInfo, hashes: list[int],
-                    decode_hit_blocks: int) -> bool:
-    """An idle prefill replica takes a local request when the decode replica is busier
-    and would not have saved more prompt work from its cache."""
-    prefill_hit = view.index.num_matched_blocks(prefill.replica_id, hashes)
-    return view.load(prefill) == 0 and view.load(decode) > 0 and prefill_hit >= decode_hit_blocks
+def _offers_whole(view: ClusterView, prefill: ReplicaInfo, decode: ReplicaInfo, hashes: list[int],
+                  decode_hit_blocks: int, priced: bool, prompt_len: int, max_tokens: int, work: RequestWork) -> bool:
+    """The prefill replica may run a local request whole where the decode replica would
+    not have saved more prompt work from its cache: under `auto` (`priced`), which weighs
+    it beside the requests already run whole there, while it computes no prompt and has
+    room for it; under the fixed rules only while it is idle and the decode replica is not.
+
+    Not beside a prompt it computes: there the request queues behind a remote prefill
+    whose chunks then stall it, and the remote prefills queue behind it in turn, which
+    the predictions caught badly. Against the idle-only offer, over 18 simulated
+    `bench cluster` mixed traces (792 requests a cell), offering it whatever the replica
+    computed gained 50 good requests in the tight-TTFT cell but lost 11 in the balanced
+    and 10 in the tight-TPOT one; offered as here: +28 tight-TTFT, +25 tight-TPOT, +16
+    tight, -6 balanced, -3 loose."""
+    hit = view.index.num_matched_blocks(prefill.replica_id, hashes)
+    if hit < decode_hit_blocks:
+        return False
+    if priced:
+        return _computes_no_prompt(view, prefill) and _has_room(view, prefill, prompt_len, max_tokens, hit,
+                                                                  work.num_sequences)
+    return view.load(prefill) == 0 and view.load(decode) > 0
+
+
+def _computes_no_prompt(view: ClusterView, replica: ReplicaInfo) -> bool:
+    """No prompt this router sent there waits for its first token, and its last heartbeat
+    had none waiting (another router's)."""
+    return view.backlog.get(replica.replica_id, 0) == 0 and int(replica.stats.get("prompt_tokens_waiting", 0)) == 0
 
 
 def _whole_on(view: ClusterView, prefill: ReplicaInfo, hashes: list[int], hits: list[int], prompt_ids: list[int],

@@ -84,7 +84,7 @@ class RouteContext:
     # each one's expected prefix-cache hit for this prompt, in tokens
     prefills: tuple[ReplicaLoad, ...] = ()
     prefill_cached_tokens: tuple[int, ...] = ()
-    whole: ReplicaLoad | None = None  # an idle prefill replica that may run the request whole
+    whole: ReplicaLoad | None = None  # a prefill replica that may run the request whole
     whole_cached_tokens: int = 0
 
     @property

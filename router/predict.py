@@ -26,8 +26,9 @@ candidate:
   every step, beside the foreground prompts, once the background prefills ahead of it
   are done; priced as if streams stay beside it to the end (new ones keep arriving where
   streams decode).
-- `whole`: the request runs, prefill and decode, on an idle prefill replica, its gaps
-  stretched by the remote prefills that keep arriving there (`prompt_share`). Those come
+- `whole`: the request runs, prefill and decode, on a prefill replica, as `local` does
+  on a decode replica (beside the requests already run whole there, its streams), its
+  gaps stretched by the remote prefills that keep arriving there (`prompt_share`). Those come
   in lumps: one long prompt, computed in a few full-budget chunks, stalls the stream for
   seconds, which a mean stretch prices at a few percent. `burst_miss_chance` is the
   chance that a prompt too long for the request's TPOT slack lands during its decode.
@@ -348,14 +349,12 @@ def background(req: RequestShape, d: ReplicaLoad, cached: int, stream_tpot_slo_s
 
 
 def whole(req: RequestShape, p: ReplicaLoad, cached: int) -> Candidate:
-    """Prefill and decode on the prefill replica `p` (which has no streams of its own),
+    """Prefill and decode on the prefill replica `p`, as `local` would on a decode replica:
+    behind its queue, beside the requests already run whole there (its streams), and
     beside the remote prefills arriving there meanwhile (`expected_gap_s`)."""
     start = _start(req, cached)
     prefill = drain(p, foreground(p, start, req.prompt_len))
-    tpot = _own_tpot(req, p, prefill.after_steps, prefill.after_step_s)
-    ttft = prefill.seconds + 0.5 * current_step_s(p)
-    return Candidate("whole", p.replica_id, p.replica_id, Prediction(ttft, tpot, 0.0),
-                     overdue_x=p.overdue.get("local", 1.0), computed_tokens=req.prompt_len - start)
+    return _on_decode_replica("whole", req, p, prefill, None, computed_tokens=req.prompt_len - start)
 
 
 def burst_miss_chance(req: RequestShape, r: ReplicaLoad, tpot_s: float, slo_tpot_s: float) -> float:

@@ -58,7 +58,7 @@ def decide(ctx: RouteContext, state: LearnedState = EMPTY, now: float = 0.0,
 
 def _matching(decision: RouteDecision, options: list[Candidate]) -> Candidate | None:
     """The candidate a fixed rule's decision runs as: remote on the least-loaded prefill
-    replica; local whole on an idle prefill replica where the placement offers one, else
+    replica; local whole on a prefill replica where the placement offers one, else
     in the background when the rule says so (at the engine's own chunk size), else the
     foreground."""
     by_kind: dict[str, Candidate] = {}
