@@ -39,12 +39,13 @@ the margins alone took the other, and the background prefill then held the decod
 replica for 2.5 s); and a background prefill that keeps six streams 40% inside for 4.5 s
 loses to a remote one that keeps them 27% inside where eighteen more requests will
 arrive meanwhile.
-Before the router has measured enough outcomes of a route, its predictions
-are taken as exact: a candidate that meets the SLO loses nothing, this request counts
-whole when it misses, and each stream pushed over its objective counts in proportion to
-how far. Once it has (`LearnedState.chance_within`), each term is the chance of missing,
-from how far the route's recent outcomes landed from their predictions: slack is only
-worth what the route's spread leaves of it.
+Each term is the chance of missing (`LearnedState.chance_within`): from how far the
+route's recent outcomes landed from their predictions once the router has measured
+enough of them, and before that from a prior spread (`corrections.PRIOR_SPREAD`): slack
+is only worth what the route's spread leaves of it. (Without a spread, as in a bare
+`LearnedState`, the predictions are taken as exact: a candidate that meets the SLO loses
+nothing, this request counts whole when it misses, and each stream pushed over its
+objective counts in proportion to how far.)
 
 Exploration: where both routes meet the SLO and the other route's measurements are
 stale, a request whose id hashes into the `explore_fraction` bucket takes the other

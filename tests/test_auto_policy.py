@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from cluster.config import SLO, WorkloadProfile
 from router import predict
 from router.auto_policy import candidates, corrected, in_explore_bucket
-from router.corrections import EMPTY, Corrections, Outcome
+from router.corrections import EMPTY, PRIOR_SPREAD, Corrections, Outcome
 from router.policy import RequestWork, RouteContext
 from router.predict import LONG_PROMPT_KEY
 from router.queue_drain import drain
@@ -172,10 +172,11 @@ def _learn_slow_disagg(corrections: Corrections, ratio: float, now: float, times
 
 
 def test_slow_disaggregated_outcomes_shift_routing_local_and_back_when_they_fade():
-    busy = ctx(decode=replica("d1", **BUSY_STREAMS), slo=SLO(ttft_ms=400, tpot_ms=12),
+    busy = ctx(decode=replica("d1", **BUSY_STREAMS), slo=SLO(ttft_ms=400, tpot_ms=16),
                prefills=(replica("p1", "prefill"),))
     assert decide(busy, EMPTY, now=0.0).route == "disagg"
     corrections = Corrections(half_life_s=30.0)
+    assert decide(busy, corrections.snapshot(), now=0.0).route == "disagg"  # under the prior spread too
     _learn_slow_disagg(corrections, ratio=8.0, now=10.0)
     state = corrections.snapshot()
     assert 4.0 < state.factor("ttft", "disagg:long", "p1", 10.0) <= 8.0  # the first samples are weighed in gently
@@ -339,7 +340,10 @@ def test_a_route_whose_outcomes_spread_wide_is_weighed_by_its_chance_of_meeting_
         c.observe(Outcome("disagg", "p1", "d1", 0.1, 0.05 if i % 2 else 0.25), now=0.0)
         c.observe(Outcome("local", "d1", "d1", 0.1, 0.1), now=0.0)
     few = c.snapshot()
-    assert few.chance_within("ttft", "disagg", 0.1, 0.2, 0.0) is None  # too few: predictions taken as exact
+    # too few: the prior spread (a prediction at half the objective is twice as far as a sigma of 0.3 allows)
+    assert few.chance_within("ttft", "disagg", 0.1, 0.2, 0.0) == pytest.approx(
+        0.5 * (1 + math.erf(math.log(2.0) / PRIOR_SPREAD / math.sqrt(2))))
+    assert dataclasses.replace(few, prior_spread=0.0).chance_within("ttft", "disagg", 0.1, 0.2, 0.0) is None
     assert decide(both, few, now=0.0).route == "disagg"
     c.observe(Outcome("disagg", "p1", "d1", 0.1, 0.05), now=0.0)
     c.observe(Outcome("local", "d1", "d1", 0.1, 0.1), now=0.0)
@@ -349,8 +353,9 @@ def test_a_route_whose_outcomes_spread_wide_is_weighed_by_its_chance_of_meeting_
     assert state.chance_within("ttft", "local", 0.1, 0.09, 0.0) == 0.0
     chosen = decide(both, state, now=0.0)
     assert (chosen.route, chosen.reason) == ("local", "slo-local")
-    # a route unmeasured for a half-life is judged by its prediction again
-    assert state.chance_within("ttft", "disagg", 0.1, 0.15, state.half_life_s + 1.0) is None
+    # a route unmeasured for a half-life is judged by its prediction and the prior spread again
+    assert state.chance_within("ttft", "disagg", 0.1, 0.15, state.half_life_s + 1.0) == pytest.approx(
+        few.chance_within("ttft", "disagg", 0.1, 0.15, 0.0))
     assert decide(both, state, now=state.half_life_s + 1.0).route == "disagg"
     c.reset()
     assert c.snapshot().residuals == {}
