@@ -95,9 +95,12 @@ def _trace_plan(config: LoadTestConfig) -> Plan:
 
 def run_sync(coro):
     """Run a coroutine on a fresh event loop: uvloop where installed (it ships with
-    uvicorn[standard]; its cheaper I/O keeps the schedule accurate at high rates)."""
+    uvicorn[standard]; its cheaper I/O keeps the schedule accurate at high rates).
+    Ctrl-C raises KeyboardInterrupt here even where the coroutine swallowed the
+    cancellation it caused (`_interruptible`)."""
     import os
 
+    coro = _interruptible(coro)
     try:
         import uvloop
     except ImportError:
@@ -105,6 +108,19 @@ def run_sync(coro):
     if os.environ.get("PDC_LOADTEST_UVLOOP", "1") == "0":
         return asyncio.run(coro)
     return uvloop.run(coro)
+
+
+async def _interruptible(coro):
+    """`coro`, ending in CancelledError whenever its task was cancelled, so the runner
+    turns a Ctrl-C into KeyboardInterrupt. On Ctrl-C the runner cancels the main task
+    and raises KeyboardInterrupt only if that cancellation comes out of it; a coroutine
+    that caught it somewhere (a request's handler, a client's close) returned normally,
+    and the run went on as if nothing had been pressed."""
+    result = await coro
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+    return result
 
 
 def _indexed_workload(plan: Plan, client_id: int, num_clients: int) -> Iterator[tuple[int, RequestSpec]]:
