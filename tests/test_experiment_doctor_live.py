@@ -279,9 +279,12 @@ def _start_and_stop(url: str, tmp_path: Path, sig: int) -> tuple[Path, int]:
                             "multiple_changes": True}])
     file.write_text(yaml.safe_dump(spec))
     out = tmp_path / "stopped"
+    # SIGINT as a terminal delivers it, even where this suite runs as a background job
+    # (which inherits SIGINT ignored, and so would its child: Ctrl-C would never arrive)
     proc = subprocess.Popen([sys.executable, "-m", "cluster", "experiment", str(file), "--out", str(out)],
                             env={**os.environ, "PDC_ADMIN_TOKEN": TOKEN}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+                            stderr=subprocess.DEVNULL,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:

@@ -29,6 +29,7 @@ CHILD = textwrap.dedent("""
         await asyncio.sleep(0)
         return "returned"
 
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a suite run in the background inherits SIG_IGN
     case = os.environ["CASE"]
     if case != "quick":
         threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
