@@ -139,7 +139,8 @@ def score(ctx: RouteContext, candidate: Candidate, prediction: Prediction, state
           now: float = 0.0) -> Scored:
     slo_ttft, slo_tpot = ctx.slo.ttft_ms / 1000.0, ctx.slo.tpot_ms / 1000.0
     route = candidate.route
-    slo_streams, past_reach = _streams_objective(ctx, candidate, state, now)
+    beside = streams_host(ctx, candidate)
+    slo_streams, past_reach = _streams_objective(ctx, candidate, beside, state, now)
     ratios, weights = [prediction.ttft_s / slo_ttft], [1.0]
     own = _chance(state, "ttft", route, prediction.ttft_s, slo_ttft, now)
     if ctx.max_tokens >= 2:
@@ -151,7 +152,6 @@ def score(ctx: RouteContext, candidate: Candidate, prediction: Prediction, state
     own_loss = (1.0 - own) * (1.0 + OVERLOAD_WEIGHT * min(max(ratios[0] - 1.0, 0.0), OVERLOAD_CAP))
     at_stake = max(0, candidate.num_streams - past_reach)  # the streams this route can still cost
     joining = candidate.joining_streams if prediction.streams_tpot_s > 0.0 else 0.0
-    beside = streams_host(ctx, candidate)
     untouched = _untouched_gap_s(beside, state, now) if (at_stake or joining) and beside else 0.0
     streams_loss = 0.0
     if at_stake:  # their margin counts for those decoding there now and those expected to join
@@ -182,9 +182,10 @@ def score(ctx: RouteContext, candidate: Candidate, prediction: Prediction, state
                   own_loss + streams_loss + waiting_loss, risk)
 
 
-def _streams_objective(ctx: RouteContext, candidate: Candidate, state: LearnedState,
+def _streams_objective(ctx: RouteContext, candidate: Candidate, beside: ReplicaLoad | None, state: LearnedState,
                        now: float) -> tuple[float, int]:
-    """`stream_slo_s` as this candidate's corrected predictions see the streams: past reach
+    """`stream_slo_s` as this candidate's corrected predictions see the streams on
+    `beside` (`streams_host`): past reach
     below the gap they would see with nothing added, rescaled as the streams' TPOT is.
 
     Nothing added is the replica's decode step alone, not its expected gap: that one
@@ -193,7 +194,6 @@ def _streams_objective(ctx: RouteContext, candidate: Candidate, state: LearnedSt
     its gaps past a tight objective had every stream past reach; a 1,496-token prompt
     then cost no stream anything locally and prefilled there, and the streams after it
     decoded at 40-90 ms a token against 26 (bench cluster run AY, tight_tpot)."""
-    beside = streams_host(ctx, candidate)
     if not candidate.num_streams or beside is None:
         return math.inf, 0
     floor = predict.decode_step_s(beside) * state.factor("tpot", STREAMS, candidate.decode_replica, now)

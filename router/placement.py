@@ -5,8 +5,9 @@ replica (shortest queue), asks the routing policy (router/policy.py), and may se
 local request whole to the prefill replica, so that no hardware idles while the decode
 replica is the busier one: `auto` prices that beside the requests already run whole
 there, while the prefill replica computes no prompt (it then decodes too, as long as
-that serves the SLOs best); the fixed rules take it only while it is idle. It reads the view and changes nothing; the caller
-records the request with `ClusterView.begin(placement)` when it sends it.
+that serves the SLOs best); the fixed rules take it only while it is idle. It reads the
+view and changes nothing; the caller records the request with
+`ClusterView.begin(placement)` when it sends it.
 
 The request's `RequestWork` changes the counts: n sequences need n of the decode
 replica's `max_num_seqs` and KV for n continuations (the prompt's full blocks shared), and
