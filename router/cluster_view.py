@@ -15,12 +15,11 @@ less those that got their first token since, and never less than this router's o
 backlog there (less what the heartbeat says is computed of the prompts it names,
 `ReplicaLoad.prefill_progress`); so routers that share replicas see each other's work
 within a heartbeat.
+A heartbeat is a heartbeat period old, or more, when a request is placed: the replica
+has computed part of its queue since, and `load_of(replica, now)` takes that off, at the
+pace the queue drains, for at most `MAX_HEARTBEAT_AGE_S` (`heartbeat_age`).
 A request still prefilling on another replica already counts as a stream where it will
-decode once its predicted first token is nearer than its own predicted decode lasts
-(`incoming_horizon_s`, or it is late): it joins that replica's batch inside the life of
-a stream placed there now. One behind a long remote queue does not; counting it made an
-overloaded prefill pool look like streams on every decode replica, which pushed yet
-more prompts onto that queue. And a request still
+decode once its predicted first token is near (router/incoming.py). And a request still
 waiting for its first token past its predicted TTFT is evidence before it finishes:
 `load_of(replica, now)` reports, per route, how far past it the oldest one prefilling
 there is (`ReplicaLoad.overdue`), so
@@ -35,8 +34,10 @@ from collections import Counter, deque
 from typing import TYPE_CHECKING
 
 from router.arrival_rate import ArrivalRate
+from router.incoming import due_soon
 from router.prefix_index import PrefixIndex
-from router.prompt_tally import Computed, Since
+from router.prompt_tally import Computed, Since, pending
+from router.queue_drain import share_computed
 from router.replica_info import ReplicaInfo
 from router.replica_load import DEFAULT_CHUNK_TOKENS, ReplicaLoad, from_stats
 
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
 
 OVERDUE_MARGIN_S = 0.05  # a first token this late past its prediction is jitter, not evidence
 MAX_OVERDUE = 8.0  # as a correction: one request counts as at most this ratio
-INCOMING_HORIZON_S = 5.0  # at most this near, a remote request counts where it will decode (`incoming_horizon_s`)
+MAX_HEARTBEAT_AGE_S = 1.0  # two heartbeat periods (`heartbeat_age`)
 
 
 class ClusterView:
@@ -71,6 +72,7 @@ class ClusterView:
         self._healthy: dict[tuple[str, int], tuple[dict, list[ReplicaInfo]]] = {}
         self.index = PrefixIndex(prefix_capacity_blocks)
         self.backlog_work: Counter[str] = Counter()  # their attention work (router/predict.py)
+        self.taken_at: dict[str, float] = {}  # per replica: when its last heartbeat was taken (policy clock)
         self.since: dict[str, Since] = {}  # per replica: this router's prompts since its last heartbeat
         # per replica: this router's requests that decode there under a TPOT objective
         self.slo_streams: dict[str, dict[int, Placement]] = {}
@@ -83,12 +85,17 @@ class ClusterView:
         # per replica: the prompt tokens (and their attention work) it placed to be computed there lately
         self.prompts = ArrivalRate(num_weights=2)
 
-    def update(self, replicas: list[ReplicaInfo]) -> None:
+    def update(self, replicas: list[ReplicaInfo], now: float | None = None, read_at: float | None = None) -> None:
+        """The replicas as the registry holds them; with `now` (the policy's clock) and
+        `read_at` (the registry's clock, which stamped `last_heartbeat`, when it was read)
+        also how old each heartbeat is (`heartbeat_age`)."""
         old = self.replicas
         self.replicas = {r.replica_id: r for r in replicas}
         for r in replicas:
             if r.replica_id not in old or old[r.replica_id].last_heartbeat != r.last_heartbeat:
                 self.since[r.replica_id] = Since()  # the new heartbeat counts what came before
+        self.taken_at = ({r.replica_id: now - max(0.0, read_at - r.last_heartbeat) for r in replicas}
+                         if now is not None and read_at is not None else {})
         for gone in set(self.since) - set(self.replicas):
             del self.since[gone]
         for key in [k for k in self.waiting if k[1] not in self.replicas]:
@@ -112,7 +119,7 @@ class ClusterView:
         `arrival_objectives` the TTFT objective of each request placed to decode there
         lately (only the local candidates read them)."""
         rid = replica.replica_id
-        base = self._heartbeat_load(replica)
+        base = self.heartbeat_load(replica)
         since = self.since.get(rid) or Since()
         decoding = max(base.num_streams, self.num_streams(replica))
         per_stream = base.stream_context / base.num_streams if base.num_streams else 0.0
@@ -123,16 +130,17 @@ class ClusterView:
         node_busy = float(self.node_busy(replica)) if base.coefficients.node_contention > 0 else 0.0
         prompt_tokens, prompt_work = self.prompts.rates(rid, now) if now is not None else (0.0, 0.0)
         done = self._computed(rid, base.prefill_progress)
+        ran = share_computed(base, self.heartbeat_age(rid, now))  # of its queue, computed since the heartbeat
         return base.evolve(
             coefficients=base.coefficients.slowed(node_busy),
-            queue_tokens=max(self.backlog.get(rid, 0) - done.all.tokens,
-                             base.queue_tokens + since.sent.tokens - since.done.tokens),
-            queue_work=max(self.backlog_work.get(rid, 0) - done.all.work,
-                           base.queue_work + since.sent.work - since.done.work),
-            background_tokens=max(self.background_backlog.get(rid, 0) - done.background.tokens,
-                                  base.background_tokens),
-            background_work=max(self.background_backlog_work.get(rid, 0) - done.background.work,
-                                base.background_work),
+            queue_tokens=pending(base.queue_tokens, self.backlog.get(rid, 0) - done.all.tokens,
+                                 ran * base.queue_tokens, since.sent.tokens, since.done.tokens),
+            queue_work=pending(base.queue_work, self.backlog_work.get(rid, 0) - done.all.work,
+                               ran * base.queue_work, since.sent.work, since.done.work),
+            background_tokens=pending(base.background_tokens, self.background_backlog.get(rid, 0)
+                                      - done.background.tokens, ran * base.background_tokens),
+            background_work=pending(base.background_work, self.background_backlog_work.get(rid, 0)
+                                    - done.background.work, ran * base.background_work),
             background_chunk_tokens=base.background_chunk_tokens or self._background_chunk(rid),
             num_streams=decoding + incoming, stream_context=int(context),
             num_requests=self.load(replica), stream_allowances=allowances,
@@ -144,6 +152,13 @@ class ClusterView:
             recent_prompts=self.prompts.recent(rid, now) if now is not None and recent_prompts else (),
             arrival_ttft_objectives=self.arrivals.tags(rid, now) if now is not None and arrival_objectives else (),
             node_id=replica.node_id, node_busy=node_busy)
+
+    def heartbeat_age(self, replica_id: str, now: float | None) -> float:
+        """Seconds since the replica's last heartbeat was taken (0 when unknown), at most
+        `MAX_HEARTBEAT_AGE_S`: a queue is taken to drain no longer than that unseen (one
+        that stalls shows as overdue prefills, `overdue_of`)."""
+        taken_at = self.taken_at.get(replica_id) if now is not None else None
+        return 0.0 if taken_at is None else min(max(0.0, now - taken_at), MAX_HEARTBEAT_AGE_S)
 
     def stream_allowances(self, replica_id: str, now: float | None) -> tuple[float, ...]:
         """Ascending: the mean gap each of this router's streams on `replica_id` with a TPOT
@@ -175,15 +190,8 @@ class ClusterView:
 
     def incoming_soon(self, replica_id: str, now: float | None = None) -> tuple[int, int]:
         """(sequences, their context tokens) prefilling elsewhere that will decode on
-        `replica_id`: with `now`, only those due within `incoming_horizon_s` or late."""
-        seqs = context = 0
-        for p in self.incoming.get(replica_id, {}).values():
-            prediction = p.decision.prediction
-            if now is None or prediction is None or \
-                    p.placed_at + prediction.ttft_s <= now + incoming_horizon_s(p.max_tokens, prediction.tpot_s):
-                seqs += p.num_sequences
-                context += p.num_sequences * p.prompt_len
-        return seqs, context
+        `replica_id`: with `now`, only those due soon (`router/incoming.py`)."""
+        return due_soon(self.incoming.get(replica_id, {}).values(), now)
 
     def overdue_of(self, replica_id: str, now: float) -> dict[str, float]:
         """Per route: the oldest request waiting for a first token from `replica_id`'s
@@ -202,10 +210,11 @@ class ClusterView:
     def chunk_tokens(self, replica_id: str) -> int:
         """The replica's token budget per engine step (the default before it reported one)."""
         replica = self.replicas.get(replica_id)
-        return self._heartbeat_load(replica).chunk_tokens if replica is not None else DEFAULT_CHUNK_TOKENS
+        return self.heartbeat_load(replica).chunk_tokens if replica is not None else DEFAULT_CHUNK_TOKENS
 
-    def _heartbeat_load(self, replica: ReplicaInfo) -> ReplicaLoad:
-        """`from_stats` of the replica's last heartbeat (its stats are never changed in place:
+    def heartbeat_load(self, replica: ReplicaInfo) -> ReplicaLoad:
+        """The replica's last heartbeat as it reported it (`from_stats`, nothing of this
+        router's since), parsed once per heartbeat (its stats are never changed in place:
         `update` brings new `ReplicaInfo`s)."""
         cached = self._heartbeat_loads.get(replica.replica_id)
         if cached is not None and cached[0] is replica:
@@ -364,17 +373,6 @@ class ClusterView:
             queue.popleft()
         if queue is not None and not queue:
             del self.waiting[key]
-
-
-def incoming_horizon_s(max_tokens: int, tpot_s: float) -> float:
-    """How soon a request prefilling elsewhere must be due to count as a stream where it
-    will decode: within its own predicted decode (at most `INCOMING_HORIZON_S`). Long
-    prompts of 16 tokens each, one every 0.6 s behind a 3-7 s remote queue, counted 5-8
-    streams on a decode replica that decoded one or two at a time (bench cluster, load
-    shift): its steps looked 2-3x their length, and a background prefill there had to
-    shrink its chunk to a token."""
-    decode_s = max(max_tokens - 1, 0) * tpot_s
-    return min(INCOMING_HORIZON_S, decode_s) if math.isfinite(decode_s) else INCOMING_HORIZON_S
 
 
 def _prefills_elsewhere(placement: Placement) -> bool:

@@ -164,7 +164,7 @@ class Router:
         if state.profiles is not None:
             self.profiles = Profiles(state.version, {n: WorkloadProfile.model_validate(p)
                                                      for n, p in state.profiles.items()})
-        self.view.update(state.replicas)
+        self.view.update(state.replicas, self.learner.clock(), state.time)
         if self.streams is not None:
             self.streams.retain({a for r in state.replicas if (a := r.extra.get("stream_address"))})
 

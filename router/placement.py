@@ -262,7 +262,7 @@ def _offers_whole(view: ClusterView, prefill: ReplicaInfo, decode: ReplicaInfo, 
 def _computes_no_prompt(view: ClusterView, replica: ReplicaInfo) -> bool:
     """No prompt this router sent there waits for its first token, and its last heartbeat
     had none waiting (another router's)."""
-    return view.backlog.get(replica.replica_id, 0) == 0 and int(replica.stats.get("prompt_tokens_waiting", 0)) == 0
+    return view.backlog.get(replica.replica_id, 0) == 0 and view.heartbeat_load(replica).queue_tokens == 0
 
 
 def _whole_on(view: ClusterView, prefill: ReplicaInfo, hashes: list[int], hits: list[int], prompt_ids: list[int],

@@ -1,7 +1,8 @@
 """Prompt tokens and their attention work, as the router's view tallies them per replica
 between heartbeats (`router/cluster_view.py`): what this router sent a replica since its
 last heartbeat and what got its first token since, and what the heartbeat says is
-computed already of the prompts still waiting there."""
+computed already of the prompts still waiting there; from those and what the replica
+computed since the heartbeat was taken, what is still to compute (`pending`)."""
 
 from __future__ import annotations
 
@@ -39,3 +40,12 @@ class Computed:
         self.all.add(tokens, work)
         if background:
             self.background.add(tokens, work)
+
+
+def pending(reported: float, own_left: float, ran: float, sent: float = 0.0, done: float = 0.0) -> int:
+    """Prompt tokens (or their work) still to compute on a replica: what its heartbeat
+    reported plus what this router sent since, less what the replica computed since (`ran`,
+    at least what got its first token, `done`); never less than this router's own prompts
+    still waiting there (`own_left`, less their progress the heartbeat reported) less what
+    of them the replica computed since."""
+    return max(0, round(max(own_left - max(0.0, ran - done), reported + sent - max(ran, done))))

@@ -245,6 +245,16 @@ def _background(lanes: _Lanes, own: Own) -> Drain:
     return Drain(seconds, done_at, busy_steps, busy_s, own_steps, own_steps * lanes.per + own_cost)
 
 
+def share_computed(r: ReplicaLoad, seconds: float) -> float:
+    """The share of `r`'s queued prompt tokens (and their work) computed `seconds` after
+    its state was taken, at the pace its queue drains (0 to 1): what a heartbeat that
+    old no longer shows."""
+    if seconds <= 0.0 or r.queue_tokens <= 0:
+        return 0.0
+    busy_s = drain(r).busy_s
+    return 1.0 if busy_s <= seconds else seconds / busy_s
+
+
 def own_prompt(start: int, end: int, chunk: int, background_chunk: int | None = None) -> Own:
     """The prompt positions [start, end) as a lane's entry, its work at `chunk` tokens a step."""
     _, tokens, work = prefill_work(start, end, max(1, background_chunk or chunk))

@@ -119,7 +119,7 @@ def test_placement_spills_a_prompt_where_its_first_token_comes_sooner():
 def test_a_request_behind_a_long_remote_queue_is_not_yet_a_stream_where_it_will_decode():
     """Counted once its predicted first token is within the horizon (or late), not while
     it waits behind a long prefill queue."""
-    from router.cluster_view import incoming_horizon_s
+    from router.incoming import incoming_horizon_s
 
     view = ClusterView(block_size=16, max_num_seqs=8)
     view.update([replica("d1", "decode"), replica("p1", "prefill")])
@@ -140,7 +140,7 @@ def test_a_request_behind_a_long_remote_queue_is_not_yet_a_stream_where_it_will_
 
 
 def test_the_incoming_horizon_is_the_requests_own_decode():
-    from router.cluster_view import INCOMING_HORIZON_S, incoming_horizon_s
+    from router.incoming import INCOMING_HORIZON_S, incoming_horizon_s
 
     assert incoming_horizon_s(16, 0.025) == 15 * 0.025  # joins before a stream like it placed now is done
     assert incoming_horizon_s(1, 0.025) == 0.0  # one token: it never decodes beside anything (late ones count)

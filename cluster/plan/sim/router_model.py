@@ -44,8 +44,8 @@ class SimRouter:
         self.registry[replica_id] = ReplicaInfo(replica_id, role, node_id=f"node-{node}",
                                                 address=address_of(replica_id), last_heartbeat=now, stats=stats)
 
-    def poll(self) -> None:
-        self.view.update(list(self.registry.values()))
+    def poll(self, now: float) -> None:
+        self.view.update(list(self.registry.values()), now, now)
 
     def place(self, request_id: str, workload: str, prompt_ids: list[int], max_tokens: int, now: float) -> Placement:
         profile = self.profiles.get(self.profiles.resolve(workload))

@@ -87,7 +87,7 @@ class Simulation:
         for i, engine in enumerate(self.engines.values()):
             self._heartbeat(engine, start)
             self.events.schedule(start + interval * (i + 1) / n, lambda t, e=engine: self._beat(e, t))
-        self.router.poll()
+        self.router.poll(start)
         self.events.schedule(start + self.config.poll_interval_s, self._poll)
 
     def _heartbeat(self, engine: SimEngine, now: float) -> None:
@@ -99,7 +99,7 @@ class Simulation:
         self.events.schedule(now + self.config.heartbeat_interval_s, lambda t: self._beat(engine, t))
 
     def _poll(self, now: float) -> None:
-        self.router.poll()
+        self.router.poll(now)
         self.events.schedule(now + self.config.poll_interval_s, self._poll)
 
     def _arrive(self, arrivals: Sequence[Arrival], i: int, now: float) -> None:
