@@ -130,7 +130,8 @@ class ClusterView:
         node_busy = float(self.node_busy(replica)) if base.coefficients.node_contention > 0 else 0.0
         prompt_tokens, prompt_work = self.prompts.rates(rid, now) if now is not None else (0.0, 0.0)
         done = self._computed(rid, base.prefill_progress)
-        ran = share_computed(base, self.heartbeat_age(rid, now))  # of its queue, computed since the heartbeat
+        # of its queue, computed since the heartbeat at its steps' pace beside its node's busy replicas
+        ran = share_computed(base, self.heartbeat_age(rid, now) / base.coefficients.slowdown(node_busy))
         return base.evolve(
             coefficients=base.coefficients.slowed(node_busy),
             queue_tokens=pending(base.queue_tokens, self.backlog.get(rid, 0) - done.all.tokens,

@@ -90,3 +90,15 @@ def test_first_tokens_since_count_at_least_what_they_computed():
     view.begin(placement)
     view.first_token(placement)
     assert view.load_of(p1, POLICY_NOW + 0.055).queue_tokens == 500 + 400 - 400  # not 500 + 400 - 50
+
+
+def test_a_replica_slowed_by_its_busy_neighbour_drains_slower():
+    """Its steps stretch beside the other busy replicas of its node (the step model's
+    `node_contention`), and so does the pace its queue is taken to drain at."""
+    view = ClusterView(16, 8)
+    model = {**MODEL, "node_contention": 1.0}  # one busy neighbour: every step twice as long
+    d1 = ReplicaInfo("d1", "decode", node_id="n1", stats={"num_running": 1})
+    p1 = ReplicaInfo("p1", "prefill", node_id="n1", last_heartbeat=REGISTRY_NOW,
+                     stats={**_stats(500), "step_model": model})
+    view.update([d1, p1], POLICY_NOW, REGISTRY_NOW)
+    assert view.load_of(view.replicas["p1"], POLICY_NOW + 0.275).queue_tokens == 375  # a quarter, not half
