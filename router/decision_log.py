@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,16 +27,21 @@ DECISION_LOG_SIZE = 512  # decisions kept per router replica
 class _Entry:
     request_id: str
     workload: str
-    at: float  # unix seconds
+    at: float  # unix seconds, when it was decided
     placement: Placement
 
 
 class DecisionLog:
-    def __init__(self, size: int = DECISION_LOG_SIZE) -> None:
+    def __init__(self, size: int = DECISION_LOG_SIZE, clock: Callable[[], float] = time.monotonic) -> None:
         self._entries: deque[_Entry] = deque(maxlen=size)
+        self.clock = clock  # the policy's clock, which stamps `Placement.placed_at`
 
     def record(self, request_id: str, workload: str, placement: Placement, at: float | None = None) -> None:
-        self._entries.append(_Entry(request_id, workload, time.time() if at is None else at, placement))
+        """`at`: the decision's Unix time (default: when it was placed, `placed_at` read on
+        the wall clock; a request is recorded once its call started, a TTFT later)."""
+        if at is None:
+            at = time.time() - max(0.0, self.clock() - placement.placed_at)
+        self._entries.append(_Entry(request_id, workload, at, placement))
 
     def read(self, limit: int = 100) -> list[dict[str, Any]]:
         """The newest `limit` decisions, oldest first."""

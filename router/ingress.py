@@ -139,7 +139,7 @@ class Router:
             observer=self.metrics)
         self.source_id = f"router:{_replica_id()}"
         self.learner = PolicyLearner(self.config.router, self.metrics, self.source_id)
-        self.decisions = DecisionLog()
+        self.decisions = DecisionLog(clock=self.learner.clock)
         self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
         gc_tuning.tune(self.config.router.gc_gen0_threshold)  # last: what start-up allocated is frozen
 

@@ -64,3 +64,16 @@ def test_a_finished_request_shows_what_was_measured_beside_what_was_predicted():
     learner.learn(placement, 0.25, 0.0125)
     (entry,) = log.read()
     assert (entry["measured_ttft_ms"], entry["measured_tpot_ms"]) == (250.0, 12.5)
+
+
+def test_an_entry_is_stamped_when_it_was_decided_not_when_its_call_started():
+    """The router records a request once its call has started (a TTFT later); `at` is the
+    wall time of its placement, read through the policy's clock."""
+    import time
+
+    view, log = _view(), DecisionLog(clock=lambda: 31.0)
+    inputs = PolicyInputs("req-1", SLO(ttft_ms=2000, tpot_ms=50), now=1.0)  # placed at 1.0 on the policy clock
+    placement = place(view, list(range(300)), 5, WorkloadProfile(mode="auto"), None, offload_to_prefill=False,
+                      inputs=inputs)
+    log.record("req-1", "chat", placement)
+    assert abs(log.read()[0]["at"] - (time.time() - 30.0)) < 1.0
