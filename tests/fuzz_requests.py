@@ -9,7 +9,10 @@ more mutation that surely does not (`temperature: "hot"`), so each example must 
 from __future__ import annotations
 
 import json
+import os
 
+import httpx
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
@@ -71,3 +74,24 @@ header_text = st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0
 headers = st.fixed_dictionaries({}, optional={"x-pd-mode": header_text, "x-workload": header_text,
                                               "x-request-id": header_text})
 requests = st.tuples(st.one_of(mutated_json(), raw_bodies), headers)
+
+
+EXAMPLES = int(os.environ.get("PDC_FUZZ_EXAMPLES", "1000"))
+SEEN: list[int] = []  # the status of every request `post_each` sent
+
+
+@settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=False,
+          suppress_health_check=list(HealthCheck))
+@given(example=requests)
+def post_each(client: httpx.Client, key_headers: dict, example) -> None:
+    """Post `EXAMPLES` malformed requests: each must get a 4xx (413 when oversized) with an
+    OpenAI-shaped error body and no traceback."""
+    (kind, content), headers = example
+    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    r = client.post(path, content=content, headers={**headers, **key_headers, "content-type": "application/json"})
+    SEEN.append(r.status_code)
+    assert 400 <= r.status_code < 500, (r.status_code, content[:200], r.text[:300])
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and "Traceback" not in r.text
+    if len(content) > 64 * 1024:
+        assert r.status_code == 413

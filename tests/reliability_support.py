@@ -22,6 +22,15 @@ FIGURES: dict[str, list] = {}  # name -> measured values, written by write_figur
 _lock = threading.Lock()
 
 
+SOAK_MIX = {  # the built-in mix, sized for the suite's max_model_len
+    "workload": "mixed",
+    "chat-short": {"prompt_len": [32, 128], "output_len": [8, 32]},
+    "rag-long": {"prompt_len": [300, 400], "output_len": [8, 16]},
+    "shared-prefix": {"prompt_len": [16, 48], "output_len": [8, 16], "prefix_len": 192},
+    "multi-turn": {"prompt_len": [16, 48], "output_len": [8, 16], "turns": 3},
+}
+
+
 def record(name: str, value) -> None:
     with _lock:
         FIGURES.setdefault(name, []).append(value)
@@ -205,3 +214,45 @@ def stream(client: httpx.Client, body: dict, headers: dict, on_event=None) -> St
                 break
     result.seconds = time.monotonic() - start
     return result
+
+
+def assert_error(r: httpx.Response, status: int, code: str | None = None) -> dict:
+    """An OpenAI-shaped error of `status` (and `code`), without a traceback."""
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and "Traceback" not in r.text
+    if code is not None:
+        assert error["code"] == code, error
+    return error
+
+
+def metric_samples(client: httpx.Client, name: str) -> list[tuple[dict, float]]:
+    """(labels, value) of every sample named `name` on `/metrics`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = text_string_to_metric_families(client.get("/metrics").text)
+    return [(s.labels, s.value) for f in families for s in f.samples if s.name == name]
+
+
+def wait_for(found, timeout_s: float) -> float:
+    """Seconds until `found()` is truthy (fails after `timeout_s`)."""
+    start = time.monotonic()
+    while not found():
+        assert time.monotonic() - start < timeout_s, "timed out"
+        time.sleep(0.2)
+    return time.monotonic() - start
+
+
+def ray_log_leaks(values: list[bytes]) -> tuple[list[tuple[str, bytes]], int]:
+    """(file, the value's first bytes) for each of `values` found in a log file of this
+    Ray session, and the number of files read."""
+    import ray
+
+    session_dir = Path(ray._private.worker._global_node.get_session_dir_path())
+    leaks, num_files = [], 0
+    for path in (session_dir / "logs").rglob("*"):
+        if path.is_file():
+            num_files += 1
+            data = path.read_bytes()
+            leaks += [(str(path), v[:6]) for v in values if v in data]
+    return leaks, num_files

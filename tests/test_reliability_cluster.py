@@ -1,16 +1,12 @@
-"""The fault-injection suite on the real app over real HTTP: auth, quotas and
-429s, limits, client disconnects, deadlines (429s and deadlines counted on `/metrics` by
-tenant), corrupt and stalled KV transfers, a soak, secrets absent from every log, and
-decode / prefill replicas killed under load.
+"""The fault-injection suite on the real app over real HTTP: auth, quotas and 429s,
+limits, client disconnects, deadlines (both counted on `/metrics` by tenant), corrupt and
+stalled KV transfers, a soak, secrets absent from every log, replicas killed under load.
 
-One app (1 prefill + 2 decode replicas) serves the whole module; the tests that kill a
-replica run last. After every test an autouse fixture checks the invariants on every
-live replica through `debug_state` (engine `check_integrity()`, every block free, no
-open reservation, no pending transfer, no request or stream left).
-
-Tolerances are for a loaded 2-core CI machine; the precise figures come from
-`python -m tests.reliability_report` (docs/reliability.md).
-"""
+One app (1 prefill + 2 decode replicas) serves the module; the tests that kill a replica
+run last. After every test an autouse fixture checks every live replica's invariants
+through `debug_state` (engine integrity, every block free, nothing open or pending).
+Tolerances are for a loaded 2-core CI machine; `python -m tests.reliability_report`
+gives the precise figures (docs/reliability.md)."""
 
 from __future__ import annotations
 
@@ -19,12 +15,10 @@ import os
 import random
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings
 
 from tests import fuzz_requests
 from tests import reliability_support as rs
@@ -32,13 +26,6 @@ from tests.reliability_support import completion, record, stream
 
 LONG = 1500  # tokens in a "long" generation (stops only by length: ignore_eos)
 PROMPT = list(range(20, 90))  # 70 token ids: above min_remote_prefill_tokens
-SOAK_MIX = {
-    "workload": "mixed",
-    "chat-short": {"prompt_len": [32, 128], "output_len": [8, 32]},
-    "rag-long": {"prompt_len": [300, 400], "output_len": [8, 16]},
-    "shared-prefix": {"prompt_len": [16, 48], "output_len": [8, 16], "prefix_len": 192},
-    "multi-turn": {"prompt_len": [16, 48], "output_len": [8, 16], "turns": 3},
-}
 REPEATS = int(os.environ.get("PDC_RELIABILITY_REPEATS", "2"))  # the report raises it
 IDLE_TOLERANCE_S = float(os.environ.get("PDC_IDLE_TOLERANCE_S", "5"))  # CI; 1 s measured in the report
 
@@ -77,27 +64,18 @@ def invariants(cluster):
     assert not problems, f"replicas not idle {elapsed:.1f} s after the scenario: {problems}"
 
 
-def assert_error(r: httpx.Response, status: int, code: str | None = None) -> dict:
-    assert r.status_code == status, r.text
-    error = r.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and "Traceback" not in r.text
-    if code is not None:
-        assert error["code"] == code, error
-    return error
-
-
 # ---- auth, quotas, limits ---------------------------------------------------------------
 
 
 def test_api_keys_required_when_configured(cluster, auth, secrets_):
     body = completion("hi", max_tokens=1)
-    assert_error(cluster.post("/v1/completions", json=body), 401, "invalid_api_key")
-    assert_error(cluster.post("/v1/completions", json=body, headers={"authorization": "Bearer sk-nope"}), 401)
-    assert_error(cluster.get("/v1/models"), 401)
+    rs.assert_error(cluster.post("/v1/completions", json=body), 401, "invalid_api_key")
+    rs.assert_error(cluster.post("/v1/completions", json=body, headers={"authorization": "Bearer sk-nope"}), 401)
+    rs.assert_error(cluster.get("/v1/models"), 401)
     assert cluster.get("/v1/models", headers=auth).status_code == 200
     assert cluster.post("/v1/completions", json=body, headers=auth).status_code == 200
     # The admin API takes only the admin token, never a tenant's key.
-    assert_error(cluster.get("/admin/workloads", headers=auth), 401)
+    rs.assert_error(cluster.get("/admin/workloads", headers=auth), 401)
     admin = {"authorization": f"Bearer {secrets_.admin_token}"}
     assert cluster.get("/admin/workloads", headers=admin).status_code == 200
 
@@ -110,7 +88,7 @@ def test_tenant_rate_limit_is_429_with_retry_after(cluster, secrets_):
     limited = [r for r in codes if r.status_code == 429]
     assert limited, [r.status_code for r in codes]
     for r in limited:
-        assert_error(r, 429, "rate_limit_exceeded")
+        rs.assert_error(r, 429, "rate_limit_exceeded")
         assert int(r.headers["retry-after"]) >= 1
     time.sleep(1.2)
     assert cluster.post("/v1/completions", json=completion("hi", max_tokens=1), headers=headers).status_code == 200
@@ -125,7 +103,7 @@ def test_tenant_concurrency_quota(cluster, secrets_):
             stream, other, body, headers, lambda res: started.set() or res.num_tokens >= 64)
         assert started.wait(30)
         r = cluster.post("/v1/completions", json=completion("hi", max_tokens=1), headers=headers)
-        assert_error(r, 429, "concurrency_limit_exceeded")
+        rs.assert_error(r, 429, "concurrency_limit_exceeded")
         assert r.headers["retry-after"] == "1"
         assert worker.result(60).status == 200
     time.sleep(0.3)  # the router releases the slot when the stream closes
@@ -150,20 +128,20 @@ def test_overload_gets_429_never_5xx_or_a_hang(cluster, auth):
     assert codes.count(429) >= 1 and codes.count(200) >= 12, codes
     for r in answers:
         if r.status_code == 429:
-            assert_error(r, 429)
+            rs.assert_error(r, 429)
             assert int(r.headers["retry-after"]) >= 1
 
 
 def test_prompt_too_long_names_the_limit(cluster, auth):
     r = cluster.post("/v1/completions", json=completion([i % 250 for i in range(2100)], max_tokens=1), headers=auth)
-    error = assert_error(r, 400, "context_length_exceeded")
+    error = rs.assert_error(r, 400, "context_length_exceeded")
     assert str(rs.MAX_MODEL_LEN) in error["message"] and "2100" in error["message"]
     chat = {"messages": [{"role": "user", "content": "x" * 2100}], "max_tokens": 1}
-    assert str(rs.MAX_MODEL_LEN) in assert_error(
+    assert str(rs.MAX_MODEL_LEN) in rs.assert_error(
         cluster.post("/v1/chat/completions", json=chat, headers=auth), 400)["message"]
     big = cluster.post("/v1/completions", content=b"{" + b" " * 70_000 + b"}",
                        headers={**auth, "content-type": "application/json"})
-    assert str(64 * 1024) in assert_error(big, 413)["message"]
+    assert str(64 * 1024) in rs.assert_error(big, 413)["message"]
 
 
 # ---- faults -----------------------------------------------------------------------------
@@ -198,14 +176,6 @@ def test_deadline_per_profile_aborts_everywhere(cluster, auth):
     assert r.status_code in (503, 504, 408) and r.json()["error"]["code"] == "deadline_exceeded", r.text
 
 
-def _samples(cluster, name: str) -> list[tuple[dict, float]]:
-    """(labels, value) of every sample named `name` on `/metrics`."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    families = text_string_to_metric_families(cluster.get("/metrics").text)
-    return [(s.labels, s.value) for f in families for s in f.samples if s.name == name]
-
-
 def test_metrics_count_429s_and_timeouts_by_tenant(cluster, auth, secrets_):
     """`/metrics` names the tenant of each 429 and of each request its deadline ended,
     and shows both stages of the queue histogram and every replica's preemptions."""
@@ -225,20 +195,20 @@ def test_metrics_count_429s_and_timeouts_by_tenant(cluster, auth, secrets_):
     while True:
         missing = {name: labels for name, labels in wanted.items()
                    if not any(labels.items() <= got.items() and value > 0
-                              for got, value in _samples(cluster, name))}
+                              for got, value in rs.metric_samples(cluster, name))}
         if not missing or time.monotonic() > deadline:
             break
         time.sleep(1.0)
     assert not missing, missing
     assert any(got["stage"] == "engine" and value > 0
-               for got, value in _samples(cluster, "pdc_request_queue_seconds_count"))
-    pools = {got["pool"] for got, _ in _samples(cluster, "pdc_num_preemptions_total")}
+               for got, value in rs.metric_samples(cluster, "pdc_request_queue_seconds_count"))
+    pools = {got["pool"] for got, _ in rs.metric_samples(cluster, "pdc_num_preemptions_total")}
     assert pools == {"decode", "prefill"}, pools
 
 
 def _greedy(cluster, auth, mode: str) -> httpx.Response:
-    return cluster.post("/v1/completions", json=completion(PROMPT, max_tokens=8, return_token_ids=True),
-                        headers={**auth, "x-pd-mode": mode})
+    body = completion(PROMPT, max_tokens=8, return_token_ids=True)
+    return cluster.post("/v1/completions", json=body, headers={**auth, "x-pd-mode": mode})
 
 
 def test_corrupt_kv_transfer_falls_back_locally(cluster, auth):
@@ -270,41 +240,22 @@ def test_stalled_kv_transfer_falls_back_within_the_timeout(cluster, auth):
 
 # ---- bad input --------------------------------------------------------------------------
 
-FUZZ_EXAMPLES = int(os.environ.get("PDC_FUZZ_EXAMPLES", "1000"))
-FUZZ_SEEN: list[int] = []
-
-
-@settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, derandomize=False,
-          suppress_health_check=list(HealthCheck))
-@given(example=fuzz_requests.requests)
-def _fuzz_one(client: httpx.Client, key_headers: dict, example) -> None:
-    (kind, content), headers = example
-    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
-    r = client.post(path, content=content, headers={**headers, **key_headers, "content-type": "application/json"})
-    FUZZ_SEEN.append(r.status_code)
-    assert 400 <= r.status_code < 500, (r.status_code, content[:200], r.text[:300])
-    error = r.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and "Traceback" not in r.text
-    if len(content) > 64 * 1024:
-        assert r.status_code == 413
-
-
 def test_fuzz_malformed_requests_over_http(cluster, auth):
     """>= 1,000 malformed requests through the real proxy and router: each a 4xx with an
     OpenAI-shaped body, none >= 500, and the server healthy and serving afterwards."""
-    FUZZ_SEEN.clear()
+    fuzz_requests.SEEN.clear()
     start = time.monotonic()
-    _fuzz_one(cluster, auth)
-    record("fuzz", {"requests": len(FUZZ_SEEN), "5xx": sum(c >= 500 for c in FUZZ_SEEN),
-                    "statuses": {str(c): FUZZ_SEEN.count(c) for c in sorted(set(FUZZ_SEEN))},
+    fuzz_requests.post_each(cluster, auth)
+    record("fuzz", {"requests": len(fuzz_requests.SEEN), "5xx": sum(c >= 500 for c in fuzz_requests.SEEN),
+                    "statuses": {str(c): fuzz_requests.SEEN.count(c) for c in sorted(set(fuzz_requests.SEEN))},
                     "seconds": round(time.monotonic() - start, 1)})
-    assert len(FUZZ_SEEN) >= FUZZ_EXAMPLES
+    assert len(fuzz_requests.SEEN) >= fuzz_requests.EXAMPLES
     assert cluster.get("/health").json()["status"] == "ok"
     ok = cluster.post("/v1/completions", json=completion("still serving", max_tokens=2), headers=auth)
     assert ok.status_code == 200, ok.text
 
 
-# ---- soak -------------------------------------------------------------------------------
+# ---- soak, then secrets after all that traffic ------------------------------------------
 
 
 @pytest.mark.soak
@@ -316,8 +267,8 @@ def test_soak_mixed_load(cluster, auth, tmp_path):
     from cluster.loadtest.config import LoadTestConfig
 
     seconds = float(os.environ.get("PDC_SOAK_SECONDS", "30"))
-    workload = tmp_path / "mixed.yaml"  # the built-in mix, sized for max_model_len 512
-    workload.write_text(yaml.safe_dump(SOAK_MIX))
+    workload = tmp_path / "mixed.yaml"
+    workload.write_text(yaml.safe_dump(rs.SOAK_MIX))
     key = auth["authorization"][len("Bearer "):]
     warm = run_loadtest(LoadTestConfig(url=str(cluster.base_url), workload=str(workload), concurrency=4,
                                        num_requests=12, api_key=key, plots=False, timeout_s=120))
@@ -339,27 +290,16 @@ def test_soak_mixed_load(cluster, auth, tmp_path):
     assert max(growth.values()) < 0.10, growth
 
 
-# ---- secrets ----------------------------------------------------------------------------
-
-
 def test_secrets_never_logged(cluster, secrets_, capfd):
     """After all the traffic above (401s, 429s, admin calls, faults): no secret value in
     any log file of this Ray session (workers, Serve proxy/controller/replicas, raylet,
     GCS) nor in this process's captured output."""
-    import ray
-
-    session_dir = Path(ray._private.worker._global_node.get_session_dir_path())
     values = [v.encode() for v in secrets_.values()]
-    leaks, num_files = [], 0
-    for path in (session_dir / "logs").rglob("*"):
-        if path.is_file():
-            num_files += 1
-            data = path.read_bytes()
-            leaks += [(str(path), v[:6]) for v in values if v in data]
+    leaks, num_files = rs.ray_log_leaks(values)
     out, err = capfd.readouterr()
     leaks += [("captured output", v[:6]) for v in values if v in (out + err).encode()]
     record("secrets_grep", {"secrets": len(values), "log_files": num_files, "hits": len(leaks)})
-    assert num_files > 10, f"no Ray logs found under {session_dir}"
+    assert num_files > 10, "no Ray logs found in this session's folder"
     assert not leaks, leaks
 
 
@@ -399,7 +339,7 @@ def test_decode_replica_killed_mid_stream(cluster, auth):
         rs.kill_replica(victim.replica_id)
         killed = time.monotonic()
         old_ids = {r.replica_id for r in before}
-        replaced_s = _wait_for(lambda: [r for r in rs.replicas("decode") if r.replica_id not in old_ids], 150)
+        replaced_s = rs.wait_for(lambda: [r for r in rs.replicas("decode") if r.replica_id not in old_ids], 150)
         results = [f.result(120) for f in streams]
         answers = [f.result(120) for f in plains]
     errors = [r for r in results if r.error is not None]
@@ -410,7 +350,7 @@ def test_decode_replica_killed_mid_stream(cluster, auth):
     assert all(r.status == 200 and r.done for r in results), [r.events[-2:] for r in results]
     assert all(e.error["code"] == "replica_failed" for e in errors)
     for r in failed_plain:
-        assert_error(r, 503, "replica_failed")
+        rs.assert_error(r, 503, "replica_failed")
     assert len(errors) + len(failed_plain) == num_on_victim, (num_on_victim, len(errors), len(failed_plain))
     assert all(r.num_tokens == LONG for r in results if r.error is None)
     assert all(len(r.json()["choices"][0]["text"]) > 0 for r in answers if r.status_code == 200)
@@ -443,8 +383,8 @@ def test_prefill_replica_killed_under_load_recovers(cluster, auth):
         victim = rs.replicas("prefill")[0].replica_id
         rs.kill_replica(victim)
         killed = time.monotonic()
-        replaced_s = _wait_for(lambda: [r for r in rs.replicas("prefill") if r.replica_id != victim], 150)
-        disagg_s = _wait_for(lambda: [1 for t, _, route in results[-20:]
+        replaced_s = rs.wait_for(lambda: [r for r in rs.replicas("prefill") if r.replica_id != victim], 150)
+        disagg_s = rs.wait_for(lambda: [1 for t, _, route in results[-20:]
                                       if t > killed + replaced_s and route == "disagg:long-prompt"], 60)
     finally:
         stop.set()
@@ -457,12 +397,3 @@ def test_prefill_replica_killed_under_load_recovers(cluster, auth):
     assert all(code == 200 for _, code, _ in results), [r for r in results if r[1] != 200]
     assert any(r.startswith("local:prefill-") for r in routes), set(routes)
     assert routes.count("disagg:long-prompt") > 0
-
-
-def _wait_for(found, timeout_s: float) -> float:
-    """Seconds until `found()` is truthy (fails after `timeout_s`)."""
-    start = time.monotonic()
-    while not found():
-        assert time.monotonic() - start < timeout_s, "timed out"
-        time.sleep(0.2)
-    return time.monotonic() - start
