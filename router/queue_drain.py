@@ -205,19 +205,23 @@ def _queue_only(r: ReplicaLoad, lanes: _Lanes) -> Drain:
 
 
 def _foreground(r: ReplicaLoad, lanes: _Lanes, own: Own) -> Drain:
-    """Done with the foreground lane's last chunk; its chunks also decode the prompts
-    queued ahead, which will be streams by then."""
+    """Done with the foreground lane's last chunk. It starts in the queue's last step
+    where that leaves room (a step computes as many prompts as its budget holds); its
+    later chunks also decode the prompts queued ahead, which are streams by then. Priced
+    a step of its own behind them instead, a short prompt behind another looked twice
+    the 100 ms both took in one step."""
     phases = lanes.fg_phases()
     queue_steps = steps_for(lanes.fg_tokens, phases)
-    own_steps = steps_for(own.tokens, [(rate - r.queued_streams, n) for rate, n in after(phases, queue_steps)])
-    done_at = queue_steps + own_steps
+    first = min(own.tokens, max(0, int(tokens_in(queue_steps, phases) - lanes.fg_tokens))) if queue_steps else 0
+    later = steps_for(own.tokens - first, [(rate - r.queued_streams, n) for rate, n in after(phases, queue_steps)])
+    own_steps, done_at = later + (1 if first else 0), queue_steps + later
     own_cost = token_cost(lanes.c, own.tokens, own.work)
-    seconds = (done_at * lanes.per + own_steps * lanes.queued + token_cost(lanes.c, lanes.fg_tokens, lanes.fg_work)
+    seconds = (done_at * lanes.per + later * lanes.queued + token_cost(lanes.c, lanes.fg_tokens, lanes.fg_work)
                + own_cost + lanes.bg_cost(done_at))
     bg_left = lanes.bg_tokens - min(lanes.bg_tokens, done_at * lanes.b)  # runs on, at its chunk
     busy_steps = done_at + (math.ceil(bg_left / lanes.b) if bg_left > 0 else 0)
-    busy_s = busy_steps * lanes.per + own_steps * lanes.queued + lanes.queue_cost + own_cost
-    own_s = own_steps * (lanes.per + lanes.queued) + own_cost + lanes.bg_cost(own_steps)
+    busy_s = busy_steps * lanes.per + later * lanes.queued + lanes.queue_cost + own_cost
+    own_s = own_steps * lanes.per + later * lanes.queued + own_cost + lanes.bg_cost(own_steps)
     return Drain(seconds, done_at, busy_steps, busy_s, own_steps, own_s)
 
 

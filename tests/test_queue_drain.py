@@ -62,6 +62,21 @@ def test_the_first_token_comes_at_the_step_the_drain_predicts(make_engine, queue
     assert predicted.steps == measured, (predicted, measured)
 
 
+@pytest.mark.parametrize("own_len", [20, 40])
+def test_a_prompt_starts_in_the_step_of_the_prompts_queued_ahead_where_it_fits(make_engine, own_len):
+    """A step computes as many prompts as its budget holds: 30 queued tokens, 2 streams and
+    this prompt's 20 fit one step of 64; of 40, 32 fit and the rest takes one more step."""
+    engine = make_engine(max_num_batched_tokens=BUDGET, max_num_seqs=16)
+    _streams(engine, 2)
+    for i, n in enumerate([10, 20]):
+        engine.add_request(f"fg{i}", random_prompts([n], seed=31 + i)[0], greedy(1, ignore_eos=True))
+    load = from_stats("d", "decode", engine.stats())
+    predicted = drain(load, foreground(load, 0, own_len))
+    engine.add_request("own", random_prompts([own_len], seed=39)[0], greedy(2, ignore_eos=True))
+    assert predicted.steps == _steps_to_first_token(engine, "own") == own_len // 20
+    assert predicted.own_steps == own_len // 20
+
+
 def test_a_queued_background_prefill_is_priced_at_its_chunk_not_at_full_chunks(make_engine):
     """2,000 background tokens at 28 a step beside streams are ~72 cheap steps, not 4 of 512."""
     engine = make_engine(max_num_batched_tokens=BUDGET, max_num_seqs=16)
