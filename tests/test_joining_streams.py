@@ -104,3 +104,36 @@ def test_streams_past_reach_do_not_make_a_foreground_prefill_free_for_the_reques
     assert AutoPolicy().decide(context).candidate.kind == "remote"
     _, quiet = scored(0.0)
     assert quiet["local"].loss < 0.5 and quiet["local"].loss < local.loss
+
+
+def test_a_prefill_on_an_empty_decode_replica_prices_the_requests_that_join_meanwhile():
+    """Nothing decodes on the decode replica yet, but long prompts prefilling remotely keep
+    landing there (1.3 a second). A 1,470-token prompt prefilled there in the foreground
+    stalls whichever of them starts decoding during its 0.8 s: the candidate prices such
+    a request's TPOT (half its chunks, on average: 42 ms against 36), and with arrivals
+    the prompt goes to the idle prefill replica; with none, local is free and its shorter
+    TTFT wins."""
+    from router import predict
+    from router.auto_policy import AutoPolicy, candidates, score
+    from workers.engine.cost_model import StepCoefficients
+
+    slo = SLO(ttft_ms=4200, tpot_ms=36)
+    cpu = StepCoefficients(0.01, 4e-4, 1.4e-7, 1e-3, 3.5e-6)  # the bench's CPU replicas, fitted
+
+    def context(arrival_rate: float):
+        decode = replica("d1", coefficients=cpu, arrival_rate=arrival_rate)
+        return ctx(prompt_len=1470, slo=slo, decode=decode, max_tokens=16,
+                   prefills=(replica("p1", "prefill", coefficients=cpu),))
+
+    busy = context(1.3)
+    local = predict.local(predict.RequestShape(1470, 16), busy.decode, 0)
+    prefill = predict.drain(busy.decode, predict.foreground(busy.decode, 0, 1470))
+    assert local.num_streams == 0 and local.joining_streams == pytest.approx(1.3 * prefill.own_s)
+    assert local.joining_streams > 1.0
+    assert local.prediction.streams_tpot_s > slo.tpot_ms / 1000 > local.prediction.tpot_s
+    scored = {c.kind: score(busy, c, c.prediction) for c in candidates(busy)}
+    assert scored["local"].loss > scored["remote"].loss
+    assert AutoPolicy().decide(busy).candidate.kind == "remote"
+    quiet = context(0.0)
+    assert predict.local(predict.RequestShape(1470, 16), quiet.decode, 0).prediction.streams_tpot_s == 0.0
+    assert AutoPolicy().decide(quiet).candidate.kind == "local"
