@@ -142,7 +142,7 @@ class Simulation:
         self.heartbeats = Heartbeats(cfg.num_replicas, cfg.prefill_count, cfg.max_num_seqs, cfg.seed + 1)
         self.outcomes = random.Random(cfg.seed + 2)
         self.view = ClusterView(cfg.block_size, cfg.max_num_seqs)
-        self.view.update(self.heartbeats.next(0.0))
+        self.view.update(self.heartbeats.next(0.0), 0.0, 0.0)
         self.corrections = Corrections()
         self.now, self.next_heartbeat, self.num_decided = 0.0, HEARTBEAT_S, 0
         self.pending: list[tuple[int, int, str, Placement]] = []  # (due decision, tiebreak, event, placement)
@@ -192,7 +192,7 @@ class Simulation:
                 self.view.end(placement)
                 self._learn(placement)
         if self.now >= self.next_heartbeat:
-            self.view.update(self.heartbeats.next(self.now))
+            self.view.update(self.heartbeats.next(self.now), self.now, self.now)  # they age till the next, as live
             self.next_heartbeat += HEARTBEAT_S
 
     def _learn(self, placement: Placement) -> None:
