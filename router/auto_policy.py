@@ -12,7 +12,7 @@ waiting on the same route and replica is (`ReplicaLoad.overdue`):
 - `whole` on a prefill replica, beside the requests already run whole there (only when
   the placement offers one); its chance
   of meeting the SLO also counts the long remote prefills that may land beside it there
-  (`predict.burst_miss_chance`).
+  (`router/burst_risk.py`).
 
 A candidate meets the SLO when its TTFT and this request's TPOT meet the workload's and
 the TPOT the streams beside it will see meets theirs: what the tightest of them still in
@@ -60,6 +60,7 @@ from dataclasses import dataclass
 
 from router import predict
 from router.arrival_rate import WINDOW_S as ARRIVAL_WINDOW_S
+from router.burst_risk import burst_miss_chance
 from router.corrections import EMPTY, STREAMS, LearnedState, tpot_key
 from router.policy import Alternative, RouteContext, RouteDecision, RoutingPolicy
 from router.predict import Candidate, Prediction
@@ -148,7 +149,7 @@ def score(ctx: RouteContext, candidate: Candidate, prediction: Prediction, state
         weights.append(1.0)
         own *= _chance(state, "tpot", route, prediction.tpot_s, slo_tpot, now)
     if candidate.kind == "whole" and ctx.whole is not None:  # a prefill replica: long prompts land there
-        own *= 1.0 - predict.burst_miss_chance(ctx.shape, ctx.whole, prediction.tpot_s, slo_tpot)
+        own *= 1.0 - burst_miss_chance(ctx.shape, ctx.whole, prediction.tpot_s, slo_tpot)
     own_loss = (1.0 - own) * (1.0 + OVERLOAD_WEIGHT * min(max(ratios[0] - 1.0, 0.0), OVERLOAD_CAP))
     at_stake = max(0, candidate.num_streams - past_reach)  # the streams this route can still cost
     joining = candidate.joining_streams if prediction.streams_tpot_s > 0.0 else 0.0

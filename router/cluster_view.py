@@ -115,7 +115,7 @@ class ClusterView:
         """The replica's step model and queue, its heartbeat combined with this router's
         requests; with `now` (the policy's clock) also how overdue its prefills are and,
         with `recent_prompts`, each prompt placed there lately (only a request run whole
-        on the replica reads them: `predict.burst_miss_chance`), with
+        on the replica reads them: `burst_risk.burst_miss_chance`), with
         `arrival_objectives` the TTFT objective of each request placed to decode there
         lately (only the local candidates read them)."""
         rid = replica.replica_id

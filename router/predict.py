@@ -30,7 +30,8 @@ candidate:
   on a decode replica (beside the requests already run whole there, its streams), its
   gaps stretched by the remote prefills that keep arriving there (`prompt_share`). Those come
   in lumps: one long prompt, computed in a few full-budget chunks, stalls the stream for
-  seconds, which a mean stretch prices at a few percent. `burst_miss_chance` is the
+  seconds, which a mean stretch prices at a few percent. `burst_miss_chance`
+  (router/burst_risk.py) is the
   chance that a prompt too long for the request's TPOT slack lands during its decode.
 
 A stream's TPOT is its mean gap over the tokens it has left, so the prediction for the
@@ -56,7 +57,6 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from router.arrival_rate import WINDOW_S as ARRIVAL_WINDOW_S
 from router.queue_drain import Drain, Own, drain, own_prompt
 from router.replica_load import ReplicaLoad
 from workers.engine.cost_model import StepCoefficients
@@ -369,32 +369,6 @@ def whole(req: RequestShape, p: ReplicaLoad, cached: int) -> Candidate:
     start = _start(req, cached)
     prefill = drain(p, foreground(p, start, req.prompt_len))
     return _on_decode_replica("whole", req, p, prefill, None, computed_tokens=req.prompt_len - start)
-
-
-def burst_miss_chance(req: RequestShape, r: ReplicaLoad, tpot_s: float, slo_tpot_s: float) -> float:
-    """The chance that a prompt arriving at `r` while this request decodes there alone
-    would push its TPOT past `slo_tpot_s`: prompts arrive as they did over the last
-    window (Poisson, at the rate of those whose prefill alone outlasts the slack the
-    request's own gaps leave), this request among them where it is such a prompt itself:
-    it has just arrived. Counted from the window alone, the first long prompt after a
-    spell of short ones found nothing to fear on an idle prefill replica, ran whole there,
-    and the long prompts that followed it prefilled beside its decode (the load shift:
-    66 of the 71 requests run whole missed their TPOT objective in simulated bench traces;
-    counted, 9 ran whole). Exposed for the request's decode; 0 where it already misses (the
-    prediction prices that) or generates one token."""
-    tokens_left = req.max_tokens - 1
-    slack_s = tokens_left * (slo_tpot_s - tpot_s)
-    if tokens_left < 1 or slack_s <= 0.0:
-        return 0.0
-    c = r.coefficients
-
-    def stalls(tokens: float, work: float) -> bool:
-        return tokens * c.prefill_token_s + work * c.prefill_attention_s > slack_s
-
-    num_long = sum(1 for tokens, work in r.recent_prompts if stalls(tokens, work))
-    own = own_prompt(0, req.prompt_len, r.chunk_tokens)
-    num_long += 1 if stalls(own.tokens, own.work) else 0
-    return 1.0 - math.exp(-num_long / ARRIVAL_WINDOW_S * tokens_left * tpot_s)
 
 
 def _gap_with(req: RequestShape, d: ReplicaLoad) -> float:

@@ -14,6 +14,7 @@ from cluster.config import SLO
 from router import predict
 from router.arrival_rate import MAX_KEPT, ArrivalRate
 from router.arrival_rate import WINDOW_S as ARRIVAL_WINDOW_S
+from router.burst_risk import burst_miss_chance
 from router.routing import decide
 from tests.test_auto_policy import COEFFS, ctx, replica
 
@@ -130,7 +131,7 @@ def test_the_chance_that_a_long_prompt_lands_while_a_request_decodes(name, recen
     req = predict.RequestShape(prompt_len=10, max_tokens=max_tokens)  # itself far too short to stall anyone
     exposed_s = (max_tokens - 1) * tpot_s
     expected = 1.0 - math.exp(-num_long / ARRIVAL_WINDOW_S * exposed_s)
-    assert predict.burst_miss_chance(req, r, tpot_s, 0.020) == pytest.approx(expected)
+    assert burst_miss_chance(req, r, tpot_s, 0.020) == pytest.approx(expected)
     assert (expected > 0) == (num_long > 0)
 
 
@@ -140,9 +141,9 @@ def test_a_long_prompt_counts_itself_among_the_long_prompts_arriving():
     r = replica("p1", "prefill", coefficients=COEFFS, recent_prompts=((100.0, 0.0),) * 5)
     exposed_s = 31 * 0.010
     long_one = predict.RequestShape(prompt_len=5000, max_tokens=32)  # 500 ms against 310 ms of slack
-    assert predict.burst_miss_chance(long_one, r, 0.010, 0.020) == pytest.approx(
+    assert burst_miss_chance(long_one, r, 0.010, 0.020) == pytest.approx(
         1.0 - math.exp(-1 / ARRIVAL_WINDOW_S * exposed_s))
-    assert predict.burst_miss_chance(dataclasses.replace(long_one, prompt_len=100), r, 0.010, 0.020) == 0.0
+    assert burst_miss_chance(dataclasses.replace(long_one, prompt_len=100), r, 0.010, 0.020) == 0.0
 
 
 def test_a_request_is_not_run_whole_where_long_prompts_land():
