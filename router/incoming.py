@@ -43,4 +43,3 @@ def incoming_horizon_s(max_tokens: int, tpot_s: float) -> float:
     shrink its chunk to a token."""
     decode_s = max(max_tokens - 1, 0) * tpot_s
     return min(INCOMING_HORIZON_S, decode_s) if math.isfinite(decode_s) else INCOMING_HORIZON_S
-

@@ -165,6 +165,10 @@ class _Lanes:
     def queue_cost(self) -> float:
         return token_cost(self.c, self.fg_tokens + self.bg_tokens, self.fg_work + self.bg_work)
 
+    def room(self, phases: list[tuple[float, float]], queue_steps: int) -> int:
+        """Prompt tokens the foreground queue's last step leaves free (0: no foreground queue)."""
+        return max(0, int(tokens_in(queue_steps, phases) - self.fg_tokens)) if self.fg_tokens else 0
+
     def bg_cost(self, num_steps: int) -> float:
         """The queued background's tokens computed in the first `num_steps` steps."""
         return _share(self.c, min(self.bg_tokens, num_steps * self.b), self.bg_tokens, self.bg_work)
@@ -212,7 +216,7 @@ def _foreground(r: ReplicaLoad, lanes: _Lanes, own: Own) -> Drain:
     the 100 ms both took in one step."""
     phases = lanes.fg_phases()
     queue_steps = steps_for(lanes.fg_tokens, phases)
-    first = min(own.tokens, max(0, int(tokens_in(queue_steps, phases) - lanes.fg_tokens))) if queue_steps else 0
+    first = min(own.tokens, lanes.room(phases, queue_steps))
     later = steps_for(own.tokens - first, [(rate - r.queued_streams, n) for rate, n in after(phases, queue_steps)])
     own_steps, done_at = later + (1 if first else 0), queue_steps + later
     own_cost = token_cost(lanes.c, own.tokens, own.work)
@@ -235,8 +239,7 @@ def _background(lanes: _Lanes, own: Own) -> Drain:
     queue_steps = steps_for(lanes.fg_tokens, phases)
     begin = lanes.bg_steps
     if queue_steps < lanes.bg_steps:
-        room = tokens_in(queue_steps, phases) - lanes.fg_tokens if lanes.fg_tokens else 0
-        first = min(chunk, room, own.tokens)
+        first = min(chunk, lanes.room(phases, queue_steps), own.tokens)
         begin = queue_steps - 1 if first > 0 else queue_steps
         own_steps = 1 + math.ceil((own.tokens - first) / chunk) if first > 0 else own_steps
     done_at = begin + own_steps
