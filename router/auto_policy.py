@@ -147,7 +147,7 @@ def score(ctx: RouteContext, candidate: Candidate, prediction: Prediction, state
     if ctx.max_tokens >= 2:
         ratios.append(prediction.tpot_s / slo_tpot)
         weights.append(1.0)
-        own *= _chance(state, "tpot", route, prediction.tpot_s, slo_tpot, now)
+        own *= _chance(state, "tpot", tpot_key(candidate.learned_as), prediction.tpot_s, slo_tpot, now)
     if candidate.kind == "whole" and ctx.whole is not None:  # a prefill replica: long prompts land there
         own *= 1.0 - burst_miss_chance(ctx.shape, ctx.whole, prediction.tpot_s, slo_tpot)
     own_loss = (1.0 - own) * (1.0 + OVERLOAD_WEIGHT * min(max(ratios[0] - 1.0, 0.0), OVERLOAD_CAP))
@@ -156,7 +156,7 @@ def score(ctx: RouteContext, candidate: Candidate, prediction: Prediction, state
     untouched = _untouched_gap_s(beside, state, now) if (at_stake or joining) and beside else 0.0
     streams_loss = 0.0
     if at_stake:  # their margin counts for those decoding there now and those expected to join
-        ratio, streams_loss = _beside(state, route, prediction.streams_tpot_s, slo_streams, at_stake, now, untouched)
+        ratio, streams_loss = _beside(state, prediction.streams_tpot_s, slo_streams, at_stake, now, untouched)
         ratios.append(ratio)
         weights.append(at_stake + candidate.joining_streams)
     if candidate.host_streams:
@@ -164,13 +164,13 @@ def score(ctx: RouteContext, candidate: Candidate, prediction: Prediction, state
         host_at_stake = max(0, candidate.host_streams - host_past)
         if host_at_stake:
             host = next(p for p in ctx.prefills if p.replica_id == candidate.prefill_replica)
-            ratio, host_loss = _beside(state, "local", prediction.host_streams_tpot_s, slo_host, host_at_stake, now,
+            ratio, host_loss = _beside(state, prediction.host_streams_tpot_s, slo_host, host_at_stake, now,
                                        _untouched_gap_s(host, state, now))
             ratios.append(ratio)
             weights.append(host_at_stake)
             streams_loss += host_loss
     if joining and beside is not None:
-        streams_loss += _joining_loss(state, route, prediction.streams_tpot_s, slo_tpot, joining, untouched, now)
+        streams_loss += _joining_loss(state, prediction.streams_tpot_s, slo_tpot, joining, untouched, now)
     meets = all(r <= 1.0 for r in ratios)
     risk = sum(w * _at_risk(1.0 - r) for w, r in zip(weights, ratios, strict=True))
     if not at_stake and candidate.num_streams and candidate.joining_streams:
@@ -201,8 +201,8 @@ def _streams_objective(ctx: RouteContext, candidate: Candidate, beside: ReplicaL
     return stream_slo_s(ctx, floor, beside)
 
 
-def _beside(state: LearnedState, route: str, tpot_s: float, objective_s: float, at_stake: int,
-            now: float, untouched_s: float = 0.0) -> tuple[float, float]:
+def _beside(state: LearnedState, tpot_s: float, objective_s: float, at_stake: int, now: float,
+            untouched_s: float = 0.0) -> tuple[float, float]:
     """(ratio to their objective, expected goodput lost) of `at_stake` streams predicted
     to decode at `tpot_s` beside a candidate: their chance of missing beyond the one they
     have at `untouched_s`, the gap they see whatever this request does.
@@ -212,20 +212,22 @@ def _beside(state: LearnedState, route: str, tpot_s: float, objective_s: float, 
     objective, a remote prefill that adds one stream there cost 1.2-1.6 requests, and
     the long prompt ran whole on the prefill replica instead (bench cluster, tight_tpot),
     where the remote prefills after it stalled it to 300-460 ms a token."""
-    return tpot_s / objective_s, at_stake * _added_miss(state, route, tpot_s, objective_s, untouched_s, now)
+    return tpot_s / objective_s, at_stake * _added_miss(state, tpot_s, objective_s, untouched_s, now)
 
 
-def _added_miss(state: LearnedState, route: str, tpot_s: float, objective_s: float, untouched_s: float,
-                now: float) -> float:
+def _added_miss(state: LearnedState, tpot_s: float, objective_s: float, untouched_s: float, now: float) -> float:
     """How much a stream's chance of missing `objective_s` grows from the gap it sees
     untouched (`untouched_s`) to the one predicted beside a candidate (`tpot_s`)."""
-    return max(0.0, _miss(state, route, tpot_s, objective_s, now) - _miss(state, route, untouched_s, objective_s, now))
+    return max(0.0, _miss(state, tpot_s, objective_s, now) - _miss(state, untouched_s, objective_s, now))
 
 
-def _miss(state: LearnedState, route: str, tpot_s: float, objective_s: float, now: float) -> float:
+def _miss(state: LearnedState, tpot_s: float, objective_s: float, now: float) -> float:
+    """A stream's chance of missing `objective_s` at a predicted `tpot_s`, by how far the
+    streams' outcomes landed from their predictions (`corrections.STREAMS`): the same
+    streams whichever way the new prompt runs, so every route weighs them alike."""
     if tpot_s <= 0.0:
         return 0.0
-    chance = state.chance_within("tpot", route, tpot_s, objective_s, now)
+    chance = state.chance_within("tpot", STREAMS, tpot_s, objective_s, now)
     return min(1.0, max(0.0, tpot_s / objective_s - 1.0)) if chance is None else 1.0 - chance
 
 
@@ -250,8 +252,8 @@ def _host_objective(ctx: RouteContext, candidate: Candidate, state: LearnedState
     return predict.stream_objective_s(host, default, floor)
 
 
-def _joining_loss(state: LearnedState, route: str, tpot_s: float, objective_s: float, joining: float,
-                  untouched_s: float, now: float) -> float:
+def _joining_loss(state: LearnedState, tpot_s: float, objective_s: float, joining: float, untouched_s: float,
+                  now: float) -> float:
     """The requests expected to start decoding beside a prompt prefilled on the decode
     replica while its chunks slow the steps there (`Candidate.joining_streams`), each as
     far as the candidate adds to its chance of missing this workload's objective (they
@@ -261,7 +263,7 @@ def _joining_loss(state: LearnedState, route: str, tpot_s: float, objective_s: f
     arriving after it, which were then past reach too, and long prompts kept prefilling
     there until those 16-token requests decoded at 100-270 ms a token against 68 (bench
     cluster, load shift)."""
-    return joining * _added_miss(state, route, tpot_s, objective_s, untouched_s, now)
+    return joining * _added_miss(state, tpot_s, objective_s, untouched_s, now)
 
 
 def _joining_risk(prediction: Prediction, joining: float, slo_tpot_s: float) -> float:
@@ -307,9 +309,9 @@ def _at_risk(slack: float) -> float:
     return math.exp(min(-slack / SLACK_SCALE, MAX_RISK_EXPONENT))
 
 
-def _chance(state: LearnedState, metric: str, route: str, predicted_s: float, objective_s: float,
+def _chance(state: LearnedState, metric: str, key: str, predicted_s: float, objective_s: float,
             now: float) -> float:
-    chance = state.chance_within(metric, route, predicted_s, objective_s, now)
+    chance = state.chance_within(metric, key, predicted_s, objective_s, now)
     if chance is None:
         return 1.0 if predicted_s <= objective_s else 0.0
     return chance

@@ -40,8 +40,9 @@ abandoned because it was slow is tried again once the evidence has faded (and, w
 both routes are predicted to meet the SLO, re-probed by exploration sooner; see
 `router/auto_policy.py`).
 
-How far off the corrected predictions still are is kept too: per metric and route, the
-last `RESIDUALS` ratios of measured to corrected prediction. From them
+How far off the corrected predictions still are is kept too: the last `RESIDUALS` ratios
+of measured to corrected prediction, TTFT per route and TPOT per `tpot_key` (every
+foreground outcome together, background prefills apart), as the factors are. From them
 `LearnedState.chance_within` says how likely a prediction is to land inside an objective,
 which is what `auto` weighs routes by once it has `MIN_RESIDUALS` of them (a route
 predicted just inside a tight objective with a wide spread is a worse bet than one with
@@ -132,8 +133,10 @@ class LearnedState:
     corrections: Mapping[Key, Correction] = field(default_factory=dict)
     last_seen: Mapping[str, float] = field(default_factory=dict)  # route -> last measurement time
     half_life_s: float = HALF_LIFE_S
-    # (metric, route) -> the recent measured / corrected ratios, ascending
+    # (metric, route; for TPOT its `tpot_key`) -> the recent measured / corrected ratios, ascending
     residuals: Mapping[tuple[str, str], tuple[float, ...]] = field(default_factory=dict)
+    # `residuals`' keys -> when their last ratio came in
+    residuals_seen: Mapping[tuple[str, str], float] = field(default_factory=dict)
     prior_spread: float = 0.0  # `PRIOR_SPREAD` of a router's state; 0: predictions taken as exact until measured
 
     def factor(self, metric: Metric, route: str, replica: str, now: float) -> float:
@@ -143,15 +146,17 @@ class LearnedState:
         age = max(0.0, now - c.updated_at)
         return math.exp(c.log_factor * 0.5 ** (age / self.half_life_s))
 
-    def chance_within(self, metric: Metric, route: str, predicted_s: float, objective_s: float,
+    def chance_within(self, metric: Metric, key: str, predicted_s: float, objective_s: float,
                       now: float) -> float | None:
-        """The share of recent outcomes of this metric and route that, scaled to
-        `predicted_s`, stay within `objective_s`. With fewer than `MIN_RESIDUALS`, or when
-        the route was last measured a half-life ago (its spread fades with its
-        corrections: a route abandoned while it misbehaved is judged by the model again),
-        the chance under `prior_spread`; None without one (the prediction taken as exact)."""
-        ratios = self.residuals.get((metric, route))
-        if ratios is None or len(ratios) < MIN_RESIDUALS or now - self.last_seen.get(route, -math.inf) > self.half_life_s:
+        """The share of recent outcomes of this metric and key (TTFT: the route; TPOT: the
+        `tpot_key`) that, scaled to `predicted_s`, stay within `objective_s`. With fewer
+        than `MIN_RESIDUALS`, or when the key was last measured a half-life ago (its
+        spread fades with its corrections: a route abandoned while it misbehaved is judged
+        by the model again), the chance under `prior_spread`; None without one (the
+        prediction taken as exact)."""
+        ratios = self.residuals.get((metric, key))
+        seen = self.residuals_seen.get((metric, key), -math.inf)
+        if ratios is None or len(ratios) < MIN_RESIDUALS or now - seen > self.half_life_s:
             return _prior_chance(predicted_s, objective_s, self.prior_spread) if self.prior_spread > 0 else None
         if predicted_s <= 0:
             return 1.0
@@ -184,15 +189,16 @@ class Corrections:
         self._corrections: dict[Key, Correction] = {}
         self._last_seen: dict[str, float] = {}
         self._residuals: dict[tuple[str, str], deque[float]] = {}
+        self._residuals_seen: dict[tuple[str, str], float] = {}
         self._snapshot: LearnedState | None = None
 
     def observe(self, outcome: Outcome, now: float) -> None:
         state = self.snapshot()  # the residual is against the prediction as corrected before this outcome
         tail = min(max(outcome.predicted_transfer_s, 0.0), outcome.predicted_ttft_s)
-        self._residual("ttft", outcome, outcome.ttft_key, outcome.prefill_replica, outcome.predicted_ttft_s,
+        self._residual(("ttft", outcome.route), outcome.ttft_key, outcome.prefill_replica, outcome.predicted_ttft_s,
                        outcome.measured_ttft_s, state, now, tail)
-        self._residual("tpot", outcome, tpot_key(outcome.key), outcome.decode_replica, outcome.predicted_tpot_s,
-                       outcome.measured_tpot_s, state, now)
+        self._residual(("tpot", tpot_key(outcome.key)), tpot_key(outcome.key), outcome.decode_replica,
+                       outcome.predicted_tpot_s, outcome.measured_tpot_s, state, now)
         self._update(("ttft", outcome.ttft_key, outcome.prefill_replica), outcome.predicted_ttft_s - tail,
                      outcome.measured_ttft_s - tail, now)
         if outcome.predicted_tpot_s is not None and outcome.measured_tpot_s is not None:
@@ -202,14 +208,16 @@ class Corrections:
         self._last_seen[outcome.route] = now
         self._snapshot = None
 
-    def _residual(self, metric: Metric, outcome: Outcome, key: str, replica: str, predicted: float | None,
+    def _residual(self, spread: tuple[Metric, str], key: str, replica: str, predicted: float | None,
                   measured: float | None, state: LearnedState, now: float, tail: float = 0.0) -> None:
-        """Measured over the corrected prediction (corrected under `key`), kept per route
-        (the spread `auto` weighs a route's candidates by)."""
+        """Measured over the corrected prediction (corrected under `key`), kept under
+        `spread` (the spread `auto` weighs candidates by)."""
         if predicted is None or measured is None or not _usable(predicted, measured):
             return
+        metric = spread[0]
         shown = scale_ttft(predicted, tail, state.factor(metric, key, replica, now))
-        self._residuals.setdefault((metric, outcome.route), deque(maxlen=RESIDUALS)).append(measured / shown)
+        self._residuals.setdefault(spread, deque(maxlen=RESIDUALS)).append(measured / shown)
+        self._residuals_seen[spread] = now
 
     def _update(self, key: Key, predicted: float, measured: float, now: float) -> None:
         if not _usable(predicted, measured):
@@ -224,13 +232,15 @@ class Corrections:
             residuals = {key: tuple(sorted(r)) for key, r in self._residuals.items()}
             self._snapshot = LearnedState(MappingProxyType(dict(self._corrections)),
                                           MappingProxyType(dict(self._last_seen)), self.half_life_s,
-                                          MappingProxyType(residuals), self.prior_spread)
+                                          MappingProxyType(residuals), MappingProxyType(dict(self._residuals_seen)),
+                                          self.prior_spread)
         return self._snapshot
 
     def reset(self) -> None:
         self._corrections.clear()
         self._last_seen.clear()
         self._residuals.clear()
+        self._residuals_seen.clear()
         self._snapshot = None
 
     def by_replica(self, now: float) -> dict[str, dict[str, dict]]:

@@ -4,13 +4,14 @@ counts from the first request."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
 from cluster.config import SLO
 from router.auto_policy import score
-from router.corrections import EMPTY, MIN_RESIDUALS, PRIOR_SPREAD, Corrections, Outcome
+from router.corrections import BACKGROUND, EMPTY, MIN_RESIDUALS, PRIOR_SPREAD, STREAMS, Corrections, Outcome
 from router.routing import decide
 from tests.test_auto_policy import ctx, replica
 
@@ -59,3 +60,26 @@ def test_streams_kept_just_inside_their_objective_cost_a_cold_router_something()
     cold = score(tight, candidate, candidate.prediction, Corrections().snapshot())
     assert exact.meets and exact.loss == pytest.approx(0.0)
     assert cold.loss > 1.0
+
+
+def test_tpot_spread_is_learned_per_decode_stream_not_per_route():
+    """A request decodes as one more stream on its decode replica whichever way its prompt
+    ran, so the TPOT outcomes of every foreground route make one spread, which weighs
+    every route's own TPOT and the streams beside it alike; background prefills keep
+    theirs. Kept per route, the remote requests whose decode the later local prefills
+    stalled made the remote route's own TPOT look the worse bet, and the next long
+    prompt prefilled locally, stalling the next ones."""
+    c = Corrections()
+    for i in range(MIN_RESIDUALS):  # remote requests that decoded at 1-3x their prediction
+        c.observe(Outcome("disagg", "p1", "d1", 1.0, 1.0, 0.02, 0.02 * (1 + i % 3)), now=0.0)
+    state = c.snapshot()
+    assert ("tpot", "disagg") not in state.residuals and len(state.residuals["tpot", STREAMS]) == MIN_RESIDUALS
+    assert state.chance_within("tpot", STREAMS, 0.02, 0.03, 0.0) < 0.8  # learned (the prior says 0.91)
+    assert state.chance_within("tpot", BACKGROUND, 0.02, 0.03, 0.0) == pytest.approx(_normal_cdf(
+        math.log(1.5) / PRIOR_SPREAD))  # nothing learned of background prefills
+    context = ctx(prompt_len=1000, slo=SLO(ttft_ms=5000, tpot_ms=30))
+    by_kind = {a.candidate.kind: a.candidate for a in decide(context, EMPTY).alternatives}
+    local, remote = (score(context, by_kind[k], by_kind[k].prediction, state) for k in ("local", "remote"))
+    same = dataclasses.replace(by_kind["local"].prediction, tpot_s=remote.prediction.tpot_s)
+    assert score(context, by_kind["local"], same, state).loss == pytest.approx(remote.loss)
+    assert local.meets and remote.meets
