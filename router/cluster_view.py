@@ -34,7 +34,7 @@ from collections import Counter, deque
 from typing import TYPE_CHECKING
 
 from router.arrival_rate import ArrivalRate
-from router.incoming import due_soon
+from router.incoming import due_later, due_soon
 from router.prefix_index import PrefixIndex
 from router.prompt_tally import Computed, Since, pending
 from router.queue_drain import share_computed
@@ -117,7 +117,8 @@ class ClusterView:
         with `recent_prompts`, each prompt placed there lately (only a request run whole
         on the replica reads them: `burst_risk.burst_miss_chance`), with
         `arrival_objectives` the TTFT objective of each request placed to decode there
-        lately (only the local candidates read them)."""
+        lately and when each request still prefilling elsewhere to decode there is due
+        (only the local candidates read them)."""
         rid = replica.replica_id
         base = self.heartbeat_load(replica)
         since = self.since.get(rid) or Since()
@@ -152,6 +153,8 @@ class ClusterView:
             prompt_token_rate=prompt_tokens, prompt_work_rate=prompt_work,
             recent_prompts=self.prompts.recent(rid, now) if now is not None and recent_prompts else (),
             arrival_ttft_objectives=self.arrivals.tags(rid, now) if now is not None and arrival_objectives else (),
+            incoming_due_s=due_later(self.incoming.get(rid, {}).values(), now)
+            if now is not None and arrival_objectives else (),
             node_id=replica.node_id, node_busy=node_busy)
 
     def heartbeat_age(self, replica_id: str, now: float | None) -> float:

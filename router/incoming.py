@@ -34,6 +34,22 @@ def due_soon(placements: Iterable[Placement], now: float | None) -> tuple[int, i
     return seqs, context
 
 
+def due_later(placements: Iterable[Placement], now: float) -> tuple[float, ...]:
+    """Ascending, once per sequence: seconds until the predicted first token of each of
+    `placements` (prefilling elsewhere) that `due_soon` does not count yet, within
+    `INCOMING_HORIZON_S`. Each starts decoding there while a prompt prefilled there now
+    may still hold its steps (`predict.local`)."""
+    out = []
+    for p in placements:
+        prediction = p.decision.prediction
+        if prediction is None:
+            continue
+        due = p.placed_at + prediction.ttft_s - now
+        if incoming_horizon_s(p.max_tokens, prediction.tpot_s) < due <= INCOMING_HORIZON_S:
+            out += [due] * p.num_sequences
+    return tuple(sorted(out))
+
+
 def incoming_horizon_s(max_tokens: int, tpot_s: float) -> float:
     """How soon a request prefilling elsewhere must be due to count as a stream where it
     will decode: within its own predicted decode (at most `INCOMING_HORIZON_S`). Long

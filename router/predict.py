@@ -123,7 +123,9 @@ class Candidate:
     # `remote`: the streams on the prefill replica itself (requests run whole there)
     host_streams: int = 0
     overdue_x: float = 1.0  # the prefill replica's `ReplicaLoad.overdue` on this route (a correction)
-    # requests expected to start decoding beside it while its chunks slow the decode replica's steps
+    # requests expected to start decoding beside it while its chunks slow the decode
+    # replica's steps: as many as were placed there over as long lately, plus those
+    # prefilling elsewhere that are due there meanwhile (`ReplicaLoad.incoming_due_s`)
     joining_streams: float = 0.0
     # seconds its prompt holds the decode replica's foreground lane (`local`): the prompts
     # placed there meanwhile wait behind it
@@ -298,7 +300,7 @@ def _on_decode_replica(kind: Kind, req: RequestShape, d: ReplicaLoad, prefill: D
     after = _gap_with(req, d)
     streams = max(_streams_tpot(d, prefill.busy_steps, prefill.step_s, after),
                   _queued_tpot(d, prefill.own_steps, prefill.own_step_s, after))
-    joining = d.arrival_rate * prefill.own_s
+    joining = d.arrival_rate * prefill.own_s + bisect.bisect_left(d.incoming_due_s, prefill.seconds)
     if not streams and joining > 0.0:  # none decode there yet: those expected to join meanwhile (`_joiner_tpot`)
         streams = _joiner_tpot(req, prefill, after)
     ttft = prefill.seconds + 0.5 * current_step_s(d, d_queue)

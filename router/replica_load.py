@@ -71,6 +71,10 @@ class ReplicaLoad:
     # window, oldest first: who waits should a prompt hold its foreground lane (filled for
     # the decode replica a placement chose, the one its local candidates run on)
     arrival_ttft_objectives: tuple[float, ...] = ()
+    # ascending, seconds until each request prefilling elsewhere that will decode here is
+    # due, of those not counted among its streams yet (`router/incoming.py`; filled as
+    # `arrival_ttft_objectives` is): they start decoding beside a prompt prefilled here now
+    incoming_due_s: tuple[float, ...] = ()
     node_id: str = ""  # its machine ("": unknown, shares with no one)
     # the other replicas of its node busy now, already priced into `coefficients` (each
     # slows its steps by the step model's `node_contention`)

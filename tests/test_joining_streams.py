@@ -137,3 +137,29 @@ def test_a_prefill_on_an_empty_decode_replica_prices_the_requests_that_join_mean
     quiet = context(0.0)
     assert predict.local(predict.RequestShape(1470, 16), quiet.decode, 0).prediction.streams_tpot_s == 0.0
     assert AutoPolicy().decide(quiet).candidate.kind == "local"
+
+
+def test_requests_prefilling_elsewhere_and_due_during_a_local_prefill_join_it():
+    """Nothing decodes on the decode replica and nothing was placed there lately, but two
+    long prompts prefilling remotely are due there 0.3 and 0.6 s from now, too far to count
+    as streams yet (their own decode is shorter). A 1,470-token prompt prefilled there in
+    the foreground for about 0.8 s stalls both: they join it, and the prompt goes to the
+    prefill replica; due after its chunks end, they cost it nothing."""
+    from router import predict
+    from router.auto_policy import AutoPolicy
+    from workers.engine.cost_model import StepCoefficients
+
+    cpu = StepCoefficients(0.01, 4e-4, 1.4e-7, 1e-3, 3.5e-6)  # the bench's CPU replicas, fitted
+
+    def context(due: tuple[float, ...]):
+        decode = replica("d1", coefficients=cpu, incoming_due_s=due)
+        return ctx(prompt_len=1470, slo=SLO(ttft_ms=4200, tpot_ms=36), decode=decode, max_tokens=16,
+                   prefills=(replica("p1", "prefill", coefficients=cpu),))
+
+    soon, later = context((0.3, 0.6)), context((3.0, 4.0))
+    own_s = predict.drain(soon.decode, predict.foreground(soon.decode, 0, 1470)).own_s
+    assert 0.6 < own_s < 3.0
+    assert predict.local(predict.RequestShape(1470, 16), soon.decode, 0).joining_streams == 2
+    assert predict.local(predict.RequestShape(1470, 16), later.decode, 0).joining_streams == 0
+    assert AutoPolicy().decide(soon).candidate.kind == "remote"
+    assert AutoPolicy().decide(later).candidate.kind == "local"

@@ -135,6 +135,12 @@ def test_a_request_behind_a_long_remote_queue_is_not_yet_a_stream_where_it_will_
     assert view.incoming_soon("d1", now=200.0) == (1, 100)  # late: any moment now
     assert view.incoming_soon("d1") == (1, 100)  # no clock: every one
     assert view.load_of(view.replicas["d1"], now=100.0).num_streams == 0
+    # not a stream yet, but due: the local candidates there see when (`incoming_due_s`)
+    d1 = view.replicas["d1"]
+    assert view.load_of(d1, now=100.0, arrival_objectives=True).incoming_due_s == ()  # 30 s off: past 5 s
+    assert view.load_of(d1, now=127.0, arrival_objectives=True).incoming_due_s == pytest.approx((3.0,))
+    assert view.load_of(d1, now=127.0).incoming_due_s == ()  # only the decode replica's local candidates read it
+    assert view.load_of(d1, now=130.0 - horizon, arrival_objectives=True).incoming_due_s == ()  # a stream now
     view.end(far)
     assert view.incoming == {}
 
