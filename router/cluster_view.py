@@ -22,7 +22,7 @@ A request still prefilling on another replica already counts as a stream where i
 decode once its predicted first token is near (router/incoming.py). And a request still
 waiting for its first token past its predicted TTFT is evidence before it finishes:
 `load_of(replica, now)` reports, per route, how far past it the oldest one prefilling
-there is (`ReplicaLoad.overdue`), so
+there is (`ReplicaLoad.overdue`, router/overdue.py), so
 a path that stalls (a slowed link, a stuck replica) is priced as slow while its first
 victims are still waiting, not only once they complete.
 """
@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 
 from router.arrival_rate import ArrivalRate
 from router.incoming import due_later, due_soon
+from router.overdue import overdue
 from router.prefix_index import PrefixIndex
 from router.prompt_tally import Computed, Since, pending
 from router.queue_drain import share_computed
@@ -44,8 +45,6 @@ from router.replica_load import DEFAULT_CHUNK_TOKENS, ReplicaLoad, from_stats
 if TYPE_CHECKING:
     from router.placement import Placement
 
-OVERDUE_MARGIN_S = 0.05  # a first token this late past its prediction is jitter, not evidence
-MAX_OVERDUE = 8.0  # as a correction: one request counts as at most this ratio
 MAX_HEARTBEAT_AGE_S = 1.0  # two heartbeat periods (`heartbeat_age`)
 
 
@@ -198,18 +197,8 @@ class ClusterView:
         return due_soon(self.incoming.get(replica_id, {}).values(), now)
 
     def overdue_of(self, replica_id: str, now: float) -> dict[str, float]:
-        """Per route: the oldest request waiting for a first token from `replica_id`'s
-        prefill, its wait over its predicted TTFT (plus `OVERDUE_MARGIN_S`), where above 1."""
-        out = {}
-        for route in ("local", "disagg"):
-            queue = self.waiting.get((route, replica_id))
-            if not queue:
-                continue
-            oldest = queue[0]
-            late = (now - oldest.placed_at) / (oldest.decision.prediction.ttft_s + OVERDUE_MARGIN_S)
-            if late > 1.0:
-                out[route] = min(late, MAX_OVERDUE)
-        return out
+        """Per route, how late the oldest prefill waiting on `replica_id` is (router/overdue.py)."""
+        return overdue(self.waiting, replica_id, now)
 
     def chunk_tokens(self, replica_id: str) -> int:
         """The replica's token budget per engine step (the default before it reported one)."""

@@ -11,7 +11,15 @@ import pytest
 
 from cluster.config import SLO
 from router.auto_policy import score
-from router.corrections import BACKGROUND, EMPTY, MIN_RESIDUALS, PRIOR_SPREAD, STREAMS, Corrections, Outcome
+from router.corrections import (
+    BACKGROUND,
+    EMPTY,
+    MIN_RESIDUALS,
+    PRIOR_SPREAD,
+    STREAMS,
+    Corrections,
+    Outcome,
+)
 from router.routing import decide
 from tests.test_auto_policy import ctx, replica
 
