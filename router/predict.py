@@ -189,18 +189,20 @@ def decode_step_s(r: ReplicaLoad, extra_seqs: float = 0.0, extra_context: float 
 
 def expected_gap_s(r: ReplicaLoad, extra_seqs: float = 0.0, extra_context: float = 0.0) -> float:
     """The gap a stream on `r` should expect over the rest of its life: the decode step
-    its streams (plus `extra_*`) take now, blended with the gap its streams saw lately,
-    which counts the streams and prompts that kept arriving beside them (a request's TPOT
-    averages over tens of steps; the state at one moment predicts it worse than the
-    replica's recent past does), plus what the extra streams add. Where its streams saw
-    no gaps lately (a prefill replica), the decode step stretched by the prompts arriving
-    there (`prompt_share`)."""
+    its streams (plus `extra_*`) take now, blended with the gap its streams saw lately in
+    steps that only decoded, which counts the streams that kept arriving beside them (a
+    request's TPOT averages over tens of steps; the state at one moment predicts it worse
+    than the replica's recent past does), plus what the extra streams add; where its
+    streams saw no gaps lately (a prefill replica), the decode step alone. Either way
+    stretched by the prompts arriving there (`prompt_share`): the recent gap leaves out
+    the steps that also prefilled, and the prompts that will arrive during a stream's life
+    are in no queue yet."""
     now = decode_step_s(r, extra_seqs, extra_context)
-    if r.recent_gap_s is None:
-        return now / (1.0 - prompt_share(r))
-    c = r.coefficients
-    recent = r.recent_gap_s + c.decode_seq_s * extra_seqs + c.decode_context_s * extra_context
-    return NOW_WEIGHT * now + (1.0 - NOW_WEIGHT) * recent
+    if r.recent_gap_s is not None:
+        c = r.coefficients
+        recent = r.recent_gap_s + c.decode_seq_s * extra_seqs + c.decode_context_s * extra_context
+        now = NOW_WEIGHT * now + (1.0 - NOW_WEIGHT) * recent
+    return now / (1.0 - prompt_share(r))
 
 
 def prompt_share(r: ReplicaLoad) -> float:

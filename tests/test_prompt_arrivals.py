@@ -76,10 +76,11 @@ def test_a_stream_where_prompts_keep_arriving_waits_for_their_chunks():
     assert predict.expected_gap_s(busy, 1, 100) == pytest.approx(2.0 * predict.expected_gap_s(quiet, 1, 100))
     saturated = dataclasses.replace(quiet, prompt_token_rate=1e9)
     assert predict.prompt_share(saturated) == predict.MAX_PROMPT_SHARE
-    # streams that saw gaps lately: those gaps already count the prompts that arrived beside them
+    # streams that saw gaps lately: those were in steps that only decoded, so they stretch too
     seen = dataclasses.replace(busy, num_streams=1, stream_context=100, recent_gap_s=0.02)
-    assert predict.expected_gap_s(seen) == pytest.approx(
-        predict.NOW_WEIGHT * predict.decode_step_s(seen) + (1 - predict.NOW_WEIGHT) * 0.02)
+    blended = predict.NOW_WEIGHT * predict.decode_step_s(seen) + (1 - predict.NOW_WEIGHT) * 0.02
+    assert predict.expected_gap_s(seen) == pytest.approx(2.0 * blended)
+    assert predict.expected_gap_s(dataclasses.replace(seen, prompt_token_rate=0.0)) == pytest.approx(blended)
 
 
 def test_a_request_is_not_run_whole_where_remote_prefills_keep_arriving():
