@@ -10,6 +10,9 @@ import pytest
 from cluster.config import SLO
 from router.arrival_rate import ArrivalRate
 from tests.test_auto_policy import ctx, replica
+from workers.engine.cost_model import StepCoefficients
+
+CPU = StepCoefficients(0.01, 4e-4, 1.4e-7, 1e-3, 3.5e-6)  # the bench's CPU replicas, fitted
 
 
 def test_the_rate_counts_the_placements_of_the_window_per_replica():
@@ -85,16 +88,14 @@ def test_streams_past_reach_do_not_make_a_foreground_prefill_free_for_the_reques
     meanwhile: what it adds to their chance of missing is lost, and it goes to the idle
     prefill replica instead. Where nothing arrives, nobody else pays for it locally."""
     from router.auto_policy import AutoPolicy, candidates, score
-    from workers.engine.cost_model import StepCoefficients
 
     slo = SLO(ttft_ms=3300, tpot_ms=68)
-    cpu = StepCoefficients(0.01, 4e-4, 1.4e-7, 1e-3, 3.5e-6)  # the bench's CPU replicas, fitted
 
     def scored(arrival_rate: float) -> dict:
-        decode = replica("d1", coefficients=cpu, num_streams=4, stream_context=4 * 1500, stream_tokens_left=8.0,
+        decode = replica("d1", coefficients=CPU, num_streams=4, stream_context=4 * 1500, stream_tokens_left=8.0,
                          stream_allowances=(0.0,) * 4, recent_gap_s=0.056, arrival_rate=arrival_rate)
         context = ctx(prompt_len=1500, slo=slo, decode=decode, max_tokens=16,
-                      prefills=(replica("p1", "prefill", coefficients=cpu),))
+                      prefills=(replica("p1", "prefill", coefficients=CPU),))
         return context, {c.kind: score(context, c, c.prediction) for c in candidates(context)}
 
     context, busy = scored(1.3)
@@ -115,15 +116,13 @@ def test_a_prefill_on_an_empty_decode_replica_prices_the_requests_that_join_mean
     TTFT wins."""
     from router import predict
     from router.auto_policy import AutoPolicy, candidates, score
-    from workers.engine.cost_model import StepCoefficients
 
     slo = SLO(ttft_ms=4200, tpot_ms=36)
-    cpu = StepCoefficients(0.01, 4e-4, 1.4e-7, 1e-3, 3.5e-6)  # the bench's CPU replicas, fitted
 
     def context(arrival_rate: float):
-        decode = replica("d1", coefficients=cpu, arrival_rate=arrival_rate)
+        decode = replica("d1", coefficients=CPU, arrival_rate=arrival_rate)
         return ctx(prompt_len=1470, slo=slo, decode=decode, max_tokens=16,
-                   prefills=(replica("p1", "prefill", coefficients=cpu),))
+                   prefills=(replica("p1", "prefill", coefficients=CPU),))
 
     busy = context(1.3)
     local = predict.local(predict.RequestShape(1470, 16), busy.decode, 0)
@@ -147,14 +146,12 @@ def test_requests_prefilling_elsewhere_and_due_during_a_local_prefill_join_it():
     prefill replica; due after its chunks end, they cost it nothing."""
     from router import predict
     from router.auto_policy import AutoPolicy
-    from workers.engine.cost_model import StepCoefficients
 
-    cpu = StepCoefficients(0.01, 4e-4, 1.4e-7, 1e-3, 3.5e-6)  # the bench's CPU replicas, fitted
 
     def context(due: tuple[float, ...]):
-        decode = replica("d1", coefficients=cpu, incoming_due_s=due)
+        decode = replica("d1", coefficients=CPU, incoming_due_s=due)
         return ctx(prompt_len=1470, slo=SLO(ttft_ms=4200, tpot_ms=36), decode=decode, max_tokens=16,
-                   prefills=(replica("p1", "prefill", coefficients=cpu),))
+                   prefills=(replica("p1", "prefill", coefficients=CPU),))
 
     soon, later = context((0.3, 0.6)), context((3.0, 4.0))
     own_s = predict.drain(soon.decode, predict.foreground(soon.decode, 0, 1470)).own_s
