@@ -197,8 +197,9 @@ class Corrections:
         tail = min(max(outcome.predicted_transfer_s, 0.0), outcome.predicted_ttft_s)
         self._residual(("ttft", outcome.route), outcome.ttft_key, outcome.prefill_replica, outcome.predicted_ttft_s,
                        outcome.measured_ttft_s, state, now, tail)
-        self._residual(("tpot", tpot_key(outcome.key)), tpot_key(outcome.key), outcome.decode_replica,
-                       outcome.predicted_tpot_s, outcome.measured_tpot_s, state, now)
+        own_tpot = tpot_key(outcome.key)
+        self._residual(("tpot", own_tpot), own_tpot, outcome.decode_replica, outcome.predicted_tpot_s,
+                       outcome.measured_tpot_s, state, now)
         self._update(("ttft", outcome.ttft_key, outcome.prefill_replica), outcome.predicted_ttft_s - tail,
                      outcome.measured_ttft_s - tail, now)
         if outcome.predicted_tpot_s is not None and outcome.measured_tpot_s is not None:
