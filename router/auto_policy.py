@@ -122,10 +122,11 @@ def streams_host(ctx: RouteContext, candidate: Candidate) -> ReplicaLoad | None:
 def corrected(candidate: Candidate, state: LearnedState, now: float) -> Prediction:
     """The raw prediction rescaled by what this router measured of the route on these
     replicas (of background prefills, for one: `Candidate.learned_as`; the TTFT of long
-    prompts apart: `Candidate.ttft_learned_as`), and by how late
-    the route's oldest prompt there still waiting already is; its own TPOT and the
-    streams beside it by what it measured of every stream on the decode replica
-    (`corrections.STREAMS`; a background prefill's own TPOT by its own: `tpot_key`)."""
+    prompts apart: `Candidate.ttft_learned_as`), and by how late the route's oldest
+    prompt there still waiting already is; its own TPOT and the streams beside it by what
+    it measured of every stream on the decode replica (`corrections.STREAMS`; a background
+    prefill's own TPOT by its own: `tpot_key`). Its TTFT then gains the hop between this
+    router and the replica it calls (`LearnedState.hop_s`), which no step model prices."""
     learned_as = candidate.learned_as
     ttft = state.factor("ttft", candidate.ttft_learned_as, candidate.prefill_replica, now)
     tpot = state.factor("tpot", tpot_key(learned_as), candidate.decode_replica, now)
@@ -133,7 +134,8 @@ def corrected(candidate: Candidate, state: LearnedState, now: float) -> Predicti
     if candidate.yields:  # slower, never faster, than any stream there: see corrections.py
         streams = max(streams, tpot)
     host = state.factor("tpot", STREAMS, candidate.prefill_replica, now) if candidate.host_streams else 1.0
-    return candidate.prediction.scaled(ttft, tpot, candidate.overdue_x, streams, host)
+    hop = state.hop_s(candidate.decode_replica)  # the replica the router calls
+    return candidate.prediction.scaled(ttft, tpot, candidate.overdue_x, streams, host, hop)
 
 
 def score(ctx: RouteContext, candidate: Candidate, prediction: Prediction, state: LearnedState = EMPTY,

@@ -34,6 +34,16 @@ that recovered leaves a factor far below 1 that then makes the next long prompt 
 cheap); so the tail is taken off both sides, and while the link's fit still lags, the
 time it missed by shows up in the factor until it catches up.
 
+Nor does it rescale the hop between the router and the replica it calls: the router's
+TTFT also holds its own work before the call (placement, dispatch) and the first token's
+way back, which no step model prices. Each worker says how long it took from the call to
+its first token (`GenerateChunk.worker_ttft_s`); the rest of the router's TTFT is that
+replica's hop, smoothed per replica (and over every replica, for one not yet measured)
+and added to every TTFT prediction after the factor. Folded into the factor instead, a
+fixed 10-35 ms scaled with the prediction: short prompts on an idle replica came in
+15-45% slower than predicted and queued ones 10-30% faster (simulated bench traces,
+local TTFT error 0.164; with the hop apart, 0.10).
+
 A factor whose last measurement is old decays toward 1 (half-life `half_life_s`): what
 was true of a route a minute ago is weaker evidence than the model itself, so a route
 abandoned because it was slow is tried again once the evidence has faded (and, while
@@ -56,7 +66,8 @@ traces, balanced cell: 19 requests short of the threshold rule over 792; 3 with 
 prior).
 
 `snapshot()` hands the policy an immutable `LearnedState`; `decide` reads only that, so
-it stays a pure function. Corrections are per router replica; `reset()` forgets them.
+it stays a pure function. Corrections are per router replica; `reset()` forgets them
+(not the hops, which measure the path rather than correct a model).
 """
 
 from __future__ import annotations
@@ -84,6 +95,9 @@ MIN_RESIDUALS = 16  # fewer: the route's spread is taken to be `PRIOR_SPREAD`
 # sigma of log(measured / predicted) a router assumes of a route before it has its own
 # residuals: a median error of about 20%, what routers measured on the CPU bench
 PRIOR_SPREAD = 0.3
+HOP_SMOOTHING = 0.2  # weight of the newest hop measurement
+MAX_HOP_S = 5.0  # one hop measurement counts as at most this
+ANY_REPLICA = "*"  # the hop key pooled over every replica
 STREAMS = "streams"  # the TPOT key learned from every route's outcomes on a replica
 BACKGROUND = "background"  # `Candidate.learned_as` of a background prefill
 
@@ -116,6 +130,7 @@ class Outcome:
     predicted_transfer_s: float = 0.0  # the transfer tail inside `predicted_ttft_s`
     learned_as: str = ""  # the key of its corrections (`Candidate.learned_as`); "" = its route
     ttft_learned_as: str = ""  # the key of its TTFT correction (`Candidate.ttft_learned_as`); "" = `key`
+    worker_ttft_s: float | None = None  # the called worker's own TTFT (`GenerateChunk.worker_ttft_s`)
 
     @property
     def key(self) -> str:
@@ -124,6 +139,13 @@ class Outcome:
     @property
     def ttft_key(self) -> str:
         return self.ttft_learned_as or self.key
+
+    @property
+    def hop_s(self) -> float | None:
+        """The router's TTFT beyond the worker's own; None where the worker did not say."""
+        if self.worker_ttft_s is None or not math.isfinite(self.worker_ttft_s):
+            return None
+        return min(max(self.measured_ttft_s - self.worker_ttft_s, 0.0), MAX_HOP_S)
 
 
 @dataclass(frozen=True)
@@ -138,6 +160,13 @@ class LearnedState:
     # `residuals`' keys -> when their last ratio came in
     residuals_seen: Mapping[tuple[str, str], float] = field(default_factory=dict)
     prior_spread: float = 0.0  # `PRIOR_SPREAD` of a router's state; 0: predictions taken as exact until measured
+    hops: Mapping[str, float] = field(default_factory=dict)  # replica (or `ANY_REPLICA`) -> smoothed hop
+
+    def hop_s(self, replica: str) -> float:
+        """The hop expected between the router and `replica`: its own, else every
+        replica's, else nothing."""
+        hop = self.hops.get(replica)
+        return hop if hop is not None else self.hops.get(ANY_REPLICA, 0.0)
 
     def factor(self, metric: Metric, route: str, replica: str, now: float) -> float:
         c = self.corrections.get((metric, route, replica))
@@ -190,18 +219,23 @@ class Corrections:
         self._last_seen: dict[str, float] = {}
         self._residuals: dict[tuple[str, str], deque[float]] = {}
         self._residuals_seen: dict[tuple[str, str], float] = {}
+        self._hops: dict[str, float] = {}
         self._snapshot: LearnedState | None = None
 
     def observe(self, outcome: Outcome, now: float) -> None:
         state = self.snapshot()  # the residual is against the prediction as corrected before this outcome
         tail = min(max(outcome.predicted_transfer_s, 0.0), outcome.predicted_ttft_s)
+        expected_hop = state.hop_s(outcome.decode_replica)
         self._residual(("ttft", outcome.route), outcome.ttft_key, outcome.prefill_replica, outcome.predicted_ttft_s,
-                       outcome.measured_ttft_s, state, now, tail)
+                       outcome.measured_ttft_s, state, now, tail, expected_hop)
         own_tpot = tpot_key(outcome.key)
         self._residual(("tpot", own_tpot), own_tpot, outcome.decode_replica, outcome.predicted_tpot_s,
                        outcome.measured_tpot_s, state, now)
+        hop = outcome.hop_s
         self._update(("ttft", outcome.ttft_key, outcome.prefill_replica), outcome.predicted_ttft_s - tail,
-                     outcome.measured_ttft_s - tail, now)
+                     outcome.measured_ttft_s - tail - (expected_hop if hop is None else hop), now)
+        if hop is not None:
+            self._hop(outcome.decode_replica, hop)
         if outcome.predicted_tpot_s is not None and outcome.measured_tpot_s is not None:
             for key in (outcome.key, STREAMS):
                 self._update(("tpot", key, outcome.decode_replica), outcome.predicted_tpot_s,
@@ -210,15 +244,21 @@ class Corrections:
         self._snapshot = None
 
     def _residual(self, spread: tuple[Metric, str], key: str, replica: str, predicted: float | None,
-                  measured: float | None, state: LearnedState, now: float, tail: float = 0.0) -> None:
-        """Measured over the corrected prediction (corrected under `key`), kept under
-        `spread` (the spread `auto` weighs candidates by)."""
+                  measured: float | None, state: LearnedState, now: float, tail: float = 0.0,
+                  hop: float = 0.0) -> None:
+        """Measured over the corrected prediction (corrected under `key`, plus the `hop`
+        expected), kept under `spread` (the spread `auto` weighs candidates by)."""
         if predicted is None or measured is None or not _usable(predicted, measured):
             return
         metric = spread[0]
-        shown = scale_ttft(predicted, tail, state.factor(metric, key, replica, now))
+        shown = scale_ttft(predicted, tail, state.factor(metric, key, replica, now)) + hop
         self._residuals.setdefault(spread, deque(maxlen=RESIDUALS)).append(measured / shown)
         self._residuals_seen[spread] = now
+
+    def _hop(self, replica: str, hop: float) -> None:
+        for key in (replica, ANY_REPLICA):
+            old = self._hops.get(key)
+            self._hops[key] = hop if old is None else old + HOP_SMOOTHING * (hop - old)
 
     def _update(self, key: Key, predicted: float, measured: float, now: float) -> None:
         if not _usable(predicted, measured):
@@ -234,7 +274,7 @@ class Corrections:
             self._snapshot = LearnedState(MappingProxyType(dict(self._corrections)),
                                           MappingProxyType(dict(self._last_seen)), self.half_life_s,
                                           MappingProxyType(residuals), MappingProxyType(dict(self._residuals_seen)),
-                                          self.prior_spread)
+                                          self.prior_spread, MappingProxyType(dict(self._hops)))
         return self._snapshot
 
     def reset(self) -> None:
@@ -242,7 +282,11 @@ class Corrections:
         self._last_seen.clear()
         self._residuals.clear()
         self._residuals_seen.clear()
-        self._snapshot = None
+        self._snapshot = None  # the hops stay: they measure the path, not the models, and every request re-measures them
+
+    def hops(self) -> dict[str, float]:
+        """{replica: smoothed hop seconds}, `ANY_REPLICA` pooled over all."""
+        return dict(self._hops)
 
     def by_replica(self, now: float) -> dict[str, dict[str, dict]]:
         """{replica: {"ttft/disagg": {factor, effective, num_samples, updated_at}, ...}}."""

@@ -69,11 +69,14 @@ def describe(request_id: str, workload: str, at: float, placement: Placement) ->
 
 def _predicted_and_measured(placement: Placement) -> dict[str, float | None]:
     """What the response headers said (corrected) beside what the router then measured
-    (arrival to first token; the mean gap after it); None until the request finished."""
+    (arrival to first token; the mean gap after it), and the called worker's own TTFT
+    (from the call to its first token: the rest is the hop); None until the request
+    finished (the worker's, also where it did not say)."""
     shown = placement.decision.prediction
     return {"predicted_ttft_ms": _ms(shown.ttft_s) if shown else None,
             "predicted_tpot_ms": _ms(shown.tpot_s) if shown else None,
-            "measured_ttft_ms": _ms(placement.measured_ttft_s), "measured_tpot_ms": _ms(placement.measured_tpot_s)}
+            "measured_ttft_ms": _ms(placement.measured_ttft_s), "measured_tpot_ms": _ms(placement.measured_tpot_s),
+            "worker_ttft_ms": _ms(placement.worker_ttft_s)}
 
 
 def _load(r: ReplicaLoad) -> dict[str, Any]:

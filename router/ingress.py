@@ -253,7 +253,8 @@ class Router:
         learn = None
         if len(calls) == 1:
             placement = calls[0].placement
-            learn = lambda ttft, tpot: self.learner.learn(placement, ttft, tpot)  # noqa: E731
+            first = calls[0].first
+            learn = lambda ttft, tpot: self.learner.learn(placement, ttft, tpot, first.worker_ttft_s)  # noqa: E731
         timing = streaming.Timing(self.metrics, calls[0].route, workload, arrival, learn, tenant=tenant)
         if req.stream:
             chunks = streaming.stream_sse(runs, shape, req.include_usage, timing)

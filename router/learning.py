@@ -12,7 +12,7 @@ from typing import Any
 
 from cluster.config import RouterSettings, WorkloadProfile
 from router.cluster_view import ClusterView
-from router.corrections import Corrections, Outcome
+from router.corrections import ANY_REPLICA, Corrections, Outcome
 from router.metrics import RouterMetrics
 from router.placement import Placement, PolicyInputs
 from router.routing import PolicySettings
@@ -35,11 +35,14 @@ class PolicyLearner:
         slo = profile.slo or self.settings.default_slo
         return PolicyInputs(request_id, slo, self.corrections.snapshot(), self.clock(), self.policy)
 
-    def learn(self, placement: Placement, ttft_s: float, tpot_s: float | None) -> None:
+    def learn(self, placement: Placement, ttft_s: float, tpot_s: float | None,
+              worker_ttft_s: float | None = None) -> None:
         """Observe one finished request, under the route the policy chose (even where the
-        worker fell back: a failing remote path is what must show up as slow)."""
+        worker fell back: a failing remote path is what must show up as slow), with the
+        called worker's own TTFT where it said (the rest is the hop to it)."""
         placement.measured_ttft_s, placement.measured_tpot_s = ttft_s, tpot_s
-        outcome = outcome_of(placement, ttft_s, tpot_s)
+        placement.worker_ttft_s = worker_ttft_s
+        outcome = outcome_of(placement, ttft_s, tpot_s, worker_ttft_s)
         if outcome is None:
             return
         shown = placement.decision.prediction  # what the headers said (corrected)
@@ -80,9 +83,10 @@ class PolicyLearner:
 
     def describe(self, view: ClusterView) -> dict[str, Any]:
         """Per replica: the fitted step model and transfer costs it reported, this router's
-        corrections, their sample counts and update times."""
+        corrections, their sample counts and update times, and the hop to it (seconds of
+        the router's TTFT beyond the worker's own, smoothed; `hop_s` at the top: over all)."""
         now, wall = self.clock(), time.time()
-        corrections = self.corrections.by_replica(now)
+        corrections, hops = self.corrections.by_replica(now), self.corrections.hops()
         for entries in corrections.values():  # the injected clock's times as Unix time
             for entry in entries.values():
                 entry["updated_at"] = round(wall - (now - entry["updated_at"]), 3)
@@ -93,6 +97,7 @@ class PolicyLearner:
                 "role": info.role, "healthy": info.healthy,
                 "step_model": stats.get("step_model"), "transfer_model": stats.get("transfer_model"),
                 "corrections": corrections.pop(rid, {}),
+                "hop_s": _rounded(hops.get(rid)),
             }
         for rid, entry in corrections.items():  # replicas that left the view since
             replicas[rid] = {"corrections": entry}
@@ -103,10 +108,12 @@ class PolicyLearner:
                              "correction_half_life_s": self.settings.correction_half_life_s,
                              "transfer_cost_max_age_s": self.settings.transfer_cost_max_age_s,
                              "default_slo": self.settings.default_slo.model_dump()},
-                "last_measured": last, "prediction_error": self.prediction_error(), "replicas": replicas}
+                "last_measured": last, "prediction_error": self.prediction_error(),
+                "hop_s": _rounded(hops.get(ANY_REPLICA)), "replicas": replicas}
 
 
-def outcome_of(placement: Placement, ttft_s: float, tpot_s: float | None) -> Outcome | None:
+def outcome_of(placement: Placement, ttft_s: float, tpot_s: float | None,
+               worker_ttft_s: float | None = None) -> Outcome | None:
     """The outcome to learn from, or None when the decision carried no prediction. TPOT
     only for a single stream (n sequences interleave in one response)."""
     decision = placement.decision
@@ -117,4 +124,8 @@ def outcome_of(placement: Placement, ttft_s: float, tpot_s: float | None) -> Out
     measured_tpot = tpot_s if placement.num_sequences == 1 else None
     return Outcome(decision.route, candidate.prefill_replica, candidate.decode_replica, raw.ttft_s, ttft_s,
                    raw.tpot_s if measured_tpot is not None else None, measured_tpot, raw.transfer_s,
-                   candidate.learned_as, candidate.ttft_learned_as)
+                   candidate.learned_as, candidate.ttft_learned_as, worker_ttft_s)
+
+
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 4)

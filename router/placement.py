@@ -76,6 +76,7 @@ class Placement:
     request_id: str = ""  # the id its replicas know it by (before the engine's counter)
     measured_ttft_s: float | None = None  # router-side, once it finished (the decision log)
     measured_tpot_s: float | None = None  # its mean gap after the first token (two tokens or more)
+    worker_ttft_s: float | None = None  # the called worker's own TTFT, where it said (`GenerateChunk`)
 
     def tpot_allowance(self, now: float | None) -> float | None:
         """The mean gap its streams can still take over the tokens they have left and

@@ -97,11 +97,12 @@ class Prediction:
     host_streams_tpot_s: float = 0.0
 
     def scaled(self, ttft: float, tpot: float, overdue: float = 1.0, streams: float | None = None,
-               host_streams: float = 1.0) -> Prediction:
+               host_streams: float = 1.0, hop_s: float = 0.0) -> Prediction:
         """`ttft` rescales what the step models priced (the link's cost has its own fit,
         which follows a changed link by itself); `overdue` the whole TTFT; `streams` the
-        streams' TPOT (default: as `tpot`); `host_streams` those on the prefill replica."""
-        ttft_s = scale_ttft(self.ttft_s, self.transfer_s, ttft) * overdue
+        streams' TPOT (default: as `tpot`); `host_streams` those on the prefill replica;
+        `hop_s` (the router's own time and its path to the replica and back) is added."""
+        ttft_s = scale_ttft(self.ttft_s, self.transfer_s, ttft) * overdue + hop_s
         streams_tpot_s = self.streams_tpot_s * (tpot if streams is None else streams)
         return Prediction(ttft_s, self.tpot_s * tpot, streams_tpot_s, self.transfer_s * overdue,
                           self.host_streams_tpot_s * host_streams)

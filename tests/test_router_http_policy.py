@@ -98,9 +98,12 @@ def test_admin_policy_shows_models_and_corrections_and_resets(client):
     assert policy["settings"]["default_slo"] == {"ttft_ms": 2000.0, "tpot_ms": 200.0}
     errors = policy["prediction_error"]  # the answering replica's: it learned, so it measured
     assert errors and all(b["ttft_bias"] > 0 and b["ttft_samples"] >= 1 for b in errors.values()), errors
+    # the hop to each replica the router called: its TTFT beyond the worker's own
+    assert 0 <= policy["hop_s"] < 5 and any(r.get("hop_s") is not None for r in learned.values()), policy
     reset = client.post("/admin/policy/reset", headers=auth).json()
     assert reset["reset_at"] is not None
     assert not any(r.get("corrections") for r in reset["replicas"].values()), reset
+    assert reset["hop_s"] is not None or reset["router"] != policy["router"], reset  # the path, not a model
 
 
 def test_admin_decisions_explain_each_route_with_every_candidate_priced(client):
@@ -122,6 +125,7 @@ def test_admin_decisions_explain_each_route_with_every_candidate_priced(client):
     assert body["router"] and len(body["decisions"]) <= 5
     d = ours[-1]
     assert d["route"] in ("local", "disagg") and d["prompt_len"] > 0 and d["max_tokens"] == 3
+    assert 0 < d["worker_ttft_ms"] <= d["measured_ttft_ms"], d  # the worker's span is inside the router's
     kinds = {a["kind"] for a in d["alternatives"]}
     assert d["kind"] in kinds and {"local", "remote"} <= kinds
     assert all(a["ttft_ms"] > 0 and isinstance(a["meets"], bool) for a in d["alternatives"])

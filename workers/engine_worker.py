@@ -188,9 +188,14 @@ class EngineWorker:
                               len(req.prompt_token_ids))
 
     async def _tracked(self, stream: AsyncIterator[GenerateChunk]) -> AsyncIterator[GenerateChunk]:
+        """Count the call in flight; stamp the first chunk with a token with the seconds
+        since the call came in (`GenerateChunk.worker_ttft_s`)."""
         self.num_inflight += 1
+        started, stamped = time.perf_counter(), False
         try:
             async for chunk in stream:
+                if not stamped and chunk.token_ids:
+                    chunk.worker_ttft_s, stamped = time.perf_counter() - started, True
                 yield chunk
         finally:
             self.num_inflight -= 1

@@ -60,6 +60,9 @@ class GenerateChunk:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     index: int = 0  # which of the request's n sequences
+    # Set on the first chunk with a token: seconds from the worker taking the call to that
+    # chunk, on the worker's own clock (the router's TTFT less this is the hop between them)
+    worker_ttft_s: float | None = None
 
 
 @dataclass

@@ -18,6 +18,7 @@ call id (random 63-bit) and the chunk's index within the call, which the router 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Any
 
@@ -188,6 +189,9 @@ def chunk_from_wire(raw: Any) -> GenerateChunk:
     chunk = _reply(raw, GenerateChunk)
     if type(chunk.index) is not int or chunk.index < 0:
         raise StreamRejected("chunk index must be a non-negative integer")
+    seconds = chunk.worker_ttft_s
+    if seconds is not None and (type(seconds) not in (int, float) or not 0 <= seconds < math.inf):
+        raise StreamRejected("worker_ttft_s must be a non-negative number of seconds")
     return chunk
 
 

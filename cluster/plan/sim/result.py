@@ -25,6 +25,7 @@ class SimRequest:
     prompt_len: int
     output_len: int
     placement: object = None  # router.placement.Placement
+    dispatched_at: float | None = None  # the call reached the replica the router placed it on
     first_at: float | None = None
     end_at: float | None = None
     token_steps: list = field(default_factory=list)  # (engine step_ends, segments) of the decoding sequence

@@ -67,10 +67,11 @@ class SimRouter:
         self.view.prefill_done(placement)
         self.feedback_wall_s += time.perf_counter() - start
 
-    def finished(self, placement: Placement, ttft_s: float, tpot_s: float | None, now: float) -> None:
+    def finished(self, placement: Placement, ttft_s: float, tpot_s: float | None, now: float,
+                 worker_ttft_s: float | None = None) -> None:
         start = time.perf_counter()
         self.view.end(placement)
-        outcome = outcome_of(placement, ttft_s, tpot_s)
+        outcome = outcome_of(placement, ttft_s, tpot_s, worker_ttft_s)
         if outcome is not None:
             self.corrections.observe(outcome, now)
         self.feedback_wall_s += time.perf_counter() - start

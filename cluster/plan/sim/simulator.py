@@ -114,6 +114,7 @@ class Simulation:
 
     def _dispatch(self, request: SimRequest, now: float) -> None:
         """The prompt reaches the replica that computes it."""
+        request.dispatched_at = now
         placement = request.placement
         decision = placement.decision
         hashes = placement.hashes
@@ -163,7 +164,8 @@ class Simulation:
         request.end_at = now
         n = request.output_len
         tpot = (now - request.first_at) / (n - 1) if n >= 2 else None
-        self.router.finished(request.placement, request.first_at - request.arrival_s, tpot, now)
+        self.router.finished(request.placement, request.first_at - request.arrival_s, tpot, now,
+                             request.first_at - request.dispatched_at)
         self.num_done += 1
 
     # -- the result ----------------------------------------------------------------------------
