@@ -111,3 +111,4 @@ def test_bench_cluster_quick_prints_json(tmp_path):
     assert overhead["direct_stream_ttft_p50_ms"] > 0  # the decode replica's stream, called directly
     assert "router_overhead_vs_stream_p50_ms" in report["ratios"]
     assert report["run_time_s"] > 0 and report["machine"]["cores"] >= 1
+    assert report["setup"]["workload_path"] == "direct ingress"  # straight to the router replicas

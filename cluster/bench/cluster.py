@@ -16,8 +16,12 @@ every configuration (`auto` once per SLO cell, `cluster.bench.slo_cells`), repea
 interleaved (configuration order rotated each repeat), each run with fresh prompt
 bytes; figures are medians over repeats, good requests are pooled. When `mixed` runs,
 so do the two scenarios (`cluster.bench.cluster_scenarios`: disaggregation hurts, the
-load shifts). Then the router's own TTFT cost is measured against calling the decode
-deployment through a Serve handle. `--workloads` re-runs a subset (ratios only for what
+load shifts). With Serve's direct ingress on (the default), the baseline, the workloads
+and the scenarios go straight to each app's router replica, as an L4 balancer in front
+of the replicas would send them (`--via-proxy`: through Serve's Python proxy, which on
+two cores queues requests for up to a few hundred ms alike for every configuration).
+Then the router's own TTFT cost is measured against calling the decode deployment
+through a Serve handle, through the proxy and straight. `--workloads` re-runs a subset (ratios only for what
 ran); `--overhead-samples 0` skips the router-overhead part.
 Progress goes to stderr, the JSON object alone to stdout.
 """
@@ -51,6 +55,7 @@ class BenchOptions:
     overhead_samples: int = 60  # 0: no router-overhead measurement
     workloads: tuple[str, ...] | None = None  # a subset of the workload names; None: all
     direct_ingress: bool = True  # Serve's direct ingress on (the proxy still runs)
+    via_proxy: bool = False  # workloads through Serve's proxy even with direct ingress on
     out: Path = Path("runs/bench-cluster")
     scenario_span_s: float = 90.0  # disagg_hurts: the run, half before the fault and half after
     scenario_num_long: int = 30  # disagg_hurts: long prompts over the span
@@ -81,13 +86,18 @@ def bench_cluster_cmd(
     save_steps: bool = typer.Option(False, "--save-steps", help="Beside each run's requests.jsonl, write the "
                                     "app's step and KV transfer records over the run (steps.jsonl, "
                                     "transfers.jsonl) for `pdcluster plan calibrate --run`."),
+    via_proxy: bool = typer.Option(False, "--via-proxy", help="Send the baseline, the workloads and the "
+                                   "scenarios through Serve's proxy even with direct ingress on (by default "
+                                   "they go straight to each app's router replica, as an L4 balancer would "
+                                   "send them; the proxy's own queueing on a small machine is the same for "
+                                   "every configuration and hides their differences)."),
 ) -> None:
     """Colocated vs disaggregated vs threshold vs auto on equal cores: three workloads in
     five SLO cells, two scenarios, with ratios and targets."""
     from rich.console import Console
 
     opts = BenchOptions(preset, model_cache, repeats, overhead_samples=overhead_samples, out=out,
-                        direct_ingress=direct_ingress)
+                        direct_ingress=direct_ingress, via_proxy=via_proxy)
     if quick:  # the tiny model runs these ~10x faster than small: shorter and denser
         opts.preset, opts.repeats, opts.overhead_samples = "tiny", 1, min(overhead_samples, 6)
         opts.request_factor, opts.prompt_factor = 0.25, 0.5
@@ -157,13 +167,14 @@ def run_bench(opts: BenchOptions, log) -> dict:
         ensure_preset(opts.preset, opts.model_cache, log)
         log("deploying colocated (2 decode replicas) and pd (1 prefill + 1 decode, admin API and test-only "
             "fault injection on, no fault set)")
-        colocated, pd = cluster.deploy_many([
+        proxied_urls = cluster.deploy_many([
             ("colocated", app_args(opts.preset, opts.model_cache, 0, 2, "local",
                                    admin_token_file=token_file if opts.save_steps else None),
              "/colocated", expected_pools(0, 2)),
             ("pd", app_args(opts.preset, opts.model_cache, 1, 1, "auto", admin_token_file=token_file, faults=True),
              "/pd", expected_pools(1, 1)),
         ])
+        colocated, pd = _workload_urls(cluster, opts, dict(zip(("colocated", "pd"), proxied_urls, strict=True)), log)
         log("warming up (first transfers, first shapes)")
         warm_up(colocated, ("local",))
         warm_up(pd, ("local", "disagg"))
@@ -185,7 +196,7 @@ def run_bench(opts: BenchOptions, log) -> dict:
         if opts.overhead_samples > 0:
             log("router overhead: HTTP through the router vs the decode replica called directly "
                 "(a Serve handle, and its worker stream)")
-            proxied = measure(pd, "pd", num_samples=opts.overhead_samples)
+            proxied = measure(proxied_urls[1], "pd", num_samples=opts.overhead_samples)
             direct_url = cluster.direct_url("pd", "/pd") if opts.direct_ingress else None
             if direct_url:
                 log(f"router overhead again, straight to the router replica (direct ingress, {direct_url})")
@@ -206,6 +217,17 @@ def run_bench(opts: BenchOptions, log) -> dict:
     }
 
 
+def _workload_urls(cluster, opts: BenchOptions, proxied: dict[str, str], log) -> list[str]:
+    """Each app's URL for the baseline, the workloads and the scenarios: its router
+    replica's own address under direct ingress (unless `via_proxy`), else the proxy's."""
+    if not opts.direct_ingress or opts.via_proxy:
+        log("workloads go through Serve's proxy")
+        return list(proxied.values())
+    urls = [cluster.direct_url(app, "/" + app) or url for app, url in proxied.items()]
+    log(f"workloads go straight to the router replicas (direct ingress): {', '.join(urls)}")
+    return urls
+
+
 def _sized(workload, opts: BenchOptions):
     factor = opts.num_requests / workload.num_requests if opts.num_requests else opts.request_factor
     return workload.scaled(factor, opts.prompt_factor, opts.rate_factor)
@@ -219,6 +241,7 @@ def _setup(opts: BenchOptions, workloads: dict, baseline) -> dict:
     return {
         "preset": opts.preset, "repeats": opts.repeats, "torch_threads_per_replica": 1,
         "workloads_run": list(workloads), "overhead_samples": opts.overhead_samples,
+        "workload_path": "proxy" if opts.via_proxy or not opts.direct_ingress else "direct ingress",
         "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
         "configs": {"colocated": "2 decode replicas, every request local",
                     "disagg": "1 prefill + 1 decode, x-pd-mode: disagg (every request remote)",
