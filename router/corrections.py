@@ -42,7 +42,7 @@ replica's hop, smoothed per replica (and over every replica, for one not yet mea
 and added to every TTFT prediction after the factor. Folded into the factor instead, a
 fixed 10-35 ms scaled with the prediction: short prompts on an idle replica came in
 15-45% slower than predicted and queued ones 10-30% faster (simulated bench traces,
-local TTFT error 0.164; with the hop apart, 0.10).
+local TTFT error 0.164; with the hop apart, 0.126).
 
 A factor whose last measurement is old decays toward 1 (half-life `half_life_s`): what
 was true of a route a minute ago is weaker evidence than the model itself, so a route
