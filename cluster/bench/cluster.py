@@ -174,7 +174,10 @@ def run_bench(opts: BenchOptions, log) -> dict:
             ("pd", app_args(opts.preset, opts.model_cache, 1, 1, "auto", admin_token_file=token_file, faults=True),
              "/pd", expected_pools(1, 1)),
         ])
-        colocated, pd = _workload_urls(cluster, opts, dict(zip(("colocated", "pd"), proxied_urls, strict=True)), log)
+        colocated, pd = urls = _workload_urls(cluster, opts, dict(zip(("colocated", "pd"), proxied_urls, strict=True)),
+                                              log)
+        proxied_any = any(u == p for u, p in zip(urls, proxied_urls, strict=True))
+        workload_path = "proxy" if proxied_any else "direct ingress"
         log("warming up (first transfers, first shapes)")
         warm_up(colocated, ("local",))
         warm_up(pd, ("local", "disagg"))
@@ -210,7 +213,7 @@ def run_bench(opts: BenchOptions, log) -> dict:
         **report,
         "router_overhead": overhead,
         "router_overhead_via_proxy": proxied,
-        "setup": _setup(opts, workloads, baseline),
+        "setup": _setup(opts, workloads, baseline, workload_path),
         "machine": {"cores": os.cpu_count(), "loadavg_start": [round(x, 2) for x in load_start],
                     "loadavg_end": [round(x, 2) for x in os.getloadavg()]},
         "run_time_s": round(time.perf_counter() - started, 1),
@@ -233,7 +236,7 @@ def _sized(workload, opts: BenchOptions):
     return workload.scaled(factor, opts.prompt_factor, opts.rate_factor)
 
 
-def _setup(opts: BenchOptions, workloads: dict, baseline) -> dict:
+def _setup(opts: BenchOptions, workloads: dict, baseline, workload_path: str) -> dict:
     from cluster.bench.cluster_report import cells_setup
     from cluster.bench.sizing import describe
     from cluster.local.apps import MAX_NUM_BATCHED_TOKENS
@@ -241,7 +244,7 @@ def _setup(opts: BenchOptions, workloads: dict, baseline) -> dict:
     return {
         "preset": opts.preset, "repeats": opts.repeats, "torch_threads_per_replica": 1,
         "workloads_run": list(workloads), "overhead_samples": opts.overhead_samples,
-        "workload_path": "proxy" if opts.via_proxy or not opts.direct_ingress else "direct ingress",
+        "workload_path": workload_path,  # "direct ingress" only where every app's runs went straight there
         "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
         "configs": {"colocated": "2 decode replicas, every request local",
                     "disagg": "1 prefill + 1 decode, x-pd-mode: disagg (every request remote)",
