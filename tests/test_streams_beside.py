@@ -314,3 +314,28 @@ def test_a_route_is_charged_only_the_misses_it_adds_to_the_streams():
     # with room left in the streams' gap, the same route costs them nothing
     roomy = dataclasses.replace(context, decode=late.evolve(stream_allowances=(0.05,) * 5))
     assert score(roomy, remote, remote.prediction).loss == pytest.approx(1.0)
+
+
+def test_streams_just_past_reach_still_lose_what_a_prompts_chunks_add():
+    """Eight streams allowed 8.8 ms a token where the decode step alone is 9 ms: past
+    reach on the prediction, yet a prediction lands a fifth off either way, so they still
+    make it now and then. A 1,500-token prompt's chunks beside them (13 ms a token over
+    the rest of their lives) ends that; remote (9.5 ms while it decodes beside them) costs
+    them far less, and wins, though this request misses its TPOT on both. Streams with no
+    budget left (allowance 0) are lost whatever happens: the routes tie on loss and the
+    quicker local one stands."""
+    slo = SLO(ttft_ms=20_000, tpot_ms=8.8)
+
+    def scored(allowance: float) -> dict:
+        near = replica("d1", stream_allowances=(allowance,) * 8, **BUSY_STREAMS)
+        context = ctx(prompt_len=1500, slo=slo, decode=near)
+        assert predict.stream_objective_s(near, 0.0088, predict.decode_step_s(near))[1] == 8  # all past reach
+        return {c.kind: score(context, c, c.prediction) for c in candidates(context)}, decide(context)
+
+    near, decision = scored(0.0088)
+    assert not any(s.meets for s in near.values())
+    assert near["local"].loss > near["remote"].loss + 8 * 0.3
+    assert (decision.route, decision.candidate.kind, decision.reason) == ("disagg", "remote", "no-route-meets-slo")
+    spent, decision = scored(0.0)
+    assert spent["local"].loss == spent["remote"].loss == 1.0
+    assert (decision.route, decision.candidate.kind) == ("local", "local")
