@@ -35,7 +35,8 @@ candidate:
   chance that a prompt too long for the request's TPOT slack lands during its decode.
 
 A stream's TPOT is its mean gap over the tokens it has left, so the prediction for the
-streams beside a prefill averages the slower mixed steps into the rest of their life,
+streams beside a prefill averages the slower mixed steps into the rest of their life
+(and the request's own decode into as many of their gaps as it generates tokens),
 and it is held to what the tightest of them still in reach can afford
 (`stream_objective_s`: a stream's objective less what its gaps so far already took,
 spread over its tokens left; one that cannot make it even with nothing added is past
@@ -237,11 +238,32 @@ def _mean_gap(gaps: float, slow_steps: float, slow_step_s: float, after_step_s: 
     return (slow * slow_step_s + (gaps - slow) * after_step_s) / gaps
 
 
-def _streams_tpot(r: ReplicaLoad, busy_steps: float, busy_step_s: float, after_step_s: float) -> float:
-    """The streams' mean gap over what they have left: `busy_steps` slow ones, then the rest."""
+def _streams_tpot(r: ReplicaLoad, busy_steps: float, busy_step_s: float, after_step_s: float,
+                  joiner: RequestShape | None = None) -> float:
+    """The streams' mean gap over what they have left: `busy_steps` slow ones, then the
+    rest; with a `joiner`, the rest at `after_step_s` only while it decodes beside them
+    (`_beside_joiner`)."""
     if r.num_streams == 0:
         return 0.0
-    return _mean_gap(max(r.stream_tokens_left, 1.0), busy_steps, busy_step_s, after_step_s)
+    left = max(r.stream_tokens_left, 1.0)
+    if joiner is not None:
+        after_step_s = _beside_joiner(joiner, r, left - min(busy_steps, left), after_step_s)
+    return _mean_gap(left, busy_steps, busy_step_s, after_step_s)
+
+
+def _beside_joiner(req: RequestShape, r: ReplicaLoad, gaps: float, with_s: float) -> float:
+    """The mean of the streams' next `gaps` gaps on `r` once `req` decodes there: at
+    `with_s` for the gaps it decodes beside them, at the gap they see without it after it
+    leaves. Priced as if it stayed to their end, a 1,470-token prompt generating 8 tokens
+    made the four streams beside it, 20 tokens from theirs, look 3 ms a token slower for
+    all of them; sent remote it cost them more than it was itself worth, and it ran
+    whole on the prefill replica, where the next remote prefills stalled it (bench
+    cluster, tight-TPOT cell: all 6 long prompts run whole missed; 5 of the 6 sent
+    remote met)."""
+    beside = min(gaps, float(max(req.max_tokens - 1, 1)))
+    if gaps <= 0.0 or beside >= gaps:
+        return with_s
+    return (beside * with_s + (gaps - beside) * expected_gap_s(r)) / gaps
 
 
 def _queued_tpot(r: ReplicaLoad, own_steps: float, own_step_s: float, after_step_s: float) -> float:
@@ -279,7 +301,7 @@ def remote(req: RequestShape, p: ReplicaLoad, d: ReplicaLoad, prefill_cached: in
         gap = expected_gap_s(d) * during_x
         slowed = prefill.seconds / gap if gap > 0 else 0.0
         busy_steps, busy_s = busy_steps + slowed, busy_s + slowed * gap
-    streams = _streams_tpot(d, busy_steps, busy_s / busy_steps if busy_steps else 0.0, _gap_with(req, d))
+    streams = _streams_tpot(d, busy_steps, busy_s / busy_steps if busy_steps else 0.0, _gap_with(req, d), req)
     host = _streams_tpot(p, prefill.busy_steps, prefill.step_s, expected_gap_s(p))
     return Candidate("remote", d.replica_id, p.replica_id, Prediction(ttft, tpot, streams, tail, host),
                      num_streams=d.num_streams, host_streams=p.num_streams,
@@ -301,7 +323,7 @@ def _on_decode_replica(kind: Kind, req: RequestShape, d: ReplicaLoad, prefill: D
     beside every prompt chunk from now on (the prompts queued ahead decode beside its own)."""
     tpot = _own_tpot(req, d, prefill.after_steps, prefill.after_step_s)
     after = _gap_with(req, d)
-    streams = max(_streams_tpot(d, prefill.busy_steps, prefill.step_s, after),
+    streams = max(_streams_tpot(d, prefill.busy_steps, prefill.step_s, after, req),
                   _queued_tpot(d, prefill.own_steps, prefill.own_step_s, after))
     joining = d.arrival_rate * prefill.own_s + bisect.bisect_left(d.incoming_due_s, prefill.seconds)
     if not streams and joining > 0.0:  # none decode there yet: those expected to join meanwhile (`_joiner_tpot`)

@@ -98,7 +98,9 @@ def test_every_candidate_is_priced_and_ordered_as_expected():
     assert set(by_kind) == {"local", "background", "remote", "whole"}
     local, background = by_kind["local"].prediction, by_kind["background"].prediction
     assert background.ttft_s > local.ttft_s  # it yields to the streams...
-    assert background.streams_tpot_s < local.streams_tpot_s  # ...so they keep their pace
+    # ...and costs the streams no more over what they have left: under a step model with no
+    # attention term the prompt's chunks stall them as long in total however they are cut
+    assert background.streams_tpot_s <= local.streams_tpot_s
     assert by_kind["remote"].prediction.ttft_s > drain(replica("p1", "prefill"), predict.foreground(replica("p1", "prefill"), 0, 1000)).seconds
     assert by_kind["whole"].prediction.streams_tpot_s == 0.0
 

@@ -339,3 +339,21 @@ def test_streams_just_past_reach_still_lose_what_a_prompts_chunks_add():
     spent, decision = scored(0.0)
     assert spent["local"].loss == spent["remote"].loss == 1.0
     assert (decision.route, decision.candidate.kind) == ("local", "local")
+
+
+def test_a_request_slows_the_streams_beside_it_only_while_it_decodes():
+    """Eight streams with 40 tokens left: a request generating 8 tokens decodes beside
+    them for 7 of their gaps and is gone for the other 33; one generating 64 outlasts
+    them. The streams' predicted TPOT follows, on the remote route and on the local one
+    after its prompt's chunks."""
+    d = replica("d1", **BUSY_STREAMS)
+    for max_tokens, beside in ((8, 7), (64, 40)):
+        context = ctx(prompt_len=1500, max_tokens=max_tokens, decode=d)
+        by_kind = {c.kind: c for c in candidates(context)}
+        with_it, without = predict._gap_with(context.shape, d), predict.expected_gap_s(d)
+        assert with_it > without
+        expected = (beside * with_it + (40 - beside) * without) / 40
+        assert by_kind["remote"].prediction.streams_tpot_s == pytest.approx(expected)
+    short, long_ = (ctx(prompt_len=1500, max_tokens=n, decode=d) for n in (8, 64))
+    local = {n: predict.local(c.shape, d, 0).prediction.streams_tpot_s for n, c in ((8, short), (64, long_))}
+    assert local[8] < local[64]
