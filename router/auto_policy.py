@@ -72,9 +72,9 @@ from router.bystanders import (
     waiters_loss,
     waiters_risk,
 )
+from router.candidate import Candidate, Prediction
 from router.corrections import EMPTY, STREAMS, LearnedState, tpot_key
 from router.policy import Alternative, RouteContext, RouteDecision, RoutingPolicy
-from router.predict import Candidate, Prediction
 from router.queue_drain import drain
 from router.replica_load import ReplicaLoad
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from router.arrival_rate import WINDOW_S as ARRIVAL_WINDOW_S
-from router.predict import RequestShape
+from router.candidate import RequestShape
 from router.queue_drain import own_prompt
 from router.replica_load import ReplicaLoad
 

@@ -15,8 +15,8 @@ import math
 
 from router import predict
 from router.arrival_rate import WINDOW_S as ARRIVAL_WINDOW_S
+from router.candidate import Prediction
 from router.corrections import STREAMS, LearnedState
-from router.predict import Prediction
 from router.replica_load import ReplicaLoad
 
 # The relative error a prediction typically has: slack worth one such error leaves a

@@ -9,7 +9,7 @@ then rescales later predictions for that replica and route, so a slow prefill po
 slow network or a cold transfer path shows up in the predictions within a few requests.
 Background prefills keep factors of their own (`Candidate.learned_as`): a foreground
 one's errors say little about theirs. So do long prompts' TTFT (`Candidate.ttft_learned_as`,
-key `<route>:long` from `predict.LONG_PROMPT_TOKENS` computed tokens): a short prompt's
+key `<route>:long` from `candidate.LONG_PROMPT_TOKENS` computed tokens): a short prompt's
 TTFT error is mostly the steps and hops around its prefill, and rescaled by it a long
 prompt's prefill looked 1.4x what it then took. A request's own TPOT, a background
 prefill's aside, is corrected by what every stream on its decode replica measured
@@ -80,7 +80,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
 
-from router.predict import scale_ttft
+from router.candidate import scale_ttft
 
 Metric = Literal["ttft", "tpot"]
 # (metric, what it is learned as, replica): TTFT by the replica that prefills, TPOT by

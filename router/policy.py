@@ -22,7 +22,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from cluster.config import SLO, WorkloadProfile
-from router.predict import Candidate, Prediction, RequestShape
+from router.candidate import Candidate, Prediction, RequestShape
 from router.replica_load import ReplicaLoad
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.step_cost import YIELD_STEP_FRACTION

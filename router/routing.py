@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from router.auto_policy import AutoPolicy, candidates, corrected
+from router.candidate import Candidate
 from router.corrections import EMPTY, LearnedState
 from router.policy import (
     DisaggPolicy,
@@ -20,7 +21,6 @@ from router.policy import (
     RoutingPolicy,
     ThresholdPolicy,
 )
-from router.predict import Candidate
 
 _FIXED = {"local": LocalPolicy, "disagg": DisaggPolicy, "threshold": ThresholdPolicy}
 

@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from cluster.config import SLO, WorkloadProfile
 from router import predict
 from router.auto_policy import candidates, corrected, in_explore_bucket
+from router.candidate import LONG_PROMPT_KEY, Candidate, Prediction, RequestShape
 from router.corrections import EMPTY, PRIOR_SPREAD, Corrections, Outcome
 from router.policy import RequestWork, RouteContext
-from router.predict import LONG_PROMPT_KEY
 from router.queue_drain import drain
 from router.replica_load import ReplicaLoad
 from router.routing import decide
@@ -108,7 +108,7 @@ def test_every_candidate_is_priced_and_ordered_as_expected():
 def test_the_background_chunk_keeps_the_streams_inside_their_objective():
     d = replica("d1", **BUSY_STREAMS)
     for slo_ms in (10, 20, 50):
-        chunk = predict.background_chunk(predict.RequestShape(1000, 32), d, slo_ms / 1000)
+        chunk = predict.background_chunk(RequestShape(1000, 32), d, slo_ms / 1000)
         step = predict.step_s(COEFFS, chunk, 0, d.num_streams, d.stream_context)
         assert step <= slo_ms / 1000 * predict.STREAM_TPOT_MARGIN + 1e-9 or chunk == 1
 
@@ -253,8 +253,8 @@ def test_when_every_route_misses_the_one_that_misses_by_less_wins_over_sparing_t
     from router.auto_policy import OVERLOAD_WEIGHT, best, score
 
     c = ctx(slo=SLO(ttft_ms=2000, tpot_ms=50), max_tokens=1)
-    queued = predict.Candidate("remote", "d1", "p1", predict.Prediction(10.0, 0.02, 0.0))
-    beside = predict.Candidate("local", "d1", "d1", predict.Prediction(3.0, 0.02, 0.06), num_streams=3)
+    queued = Candidate("remote", "d1", "p1", Prediction(10.0, 0.02, 0.0))
+    beside = Candidate("local", "d1", "d1", Prediction(3.0, 0.02, 0.06), num_streams=3)
     scored = [score(c, queued, queued.prediction), score(c, beside, beside.prediction)]
     assert not any(s.meets for s in scored)
     assert scored[0].loss == pytest.approx(1.0 + OVERLOAD_WEIGHT * 4.0)
@@ -375,11 +375,11 @@ def test_a_prefill_replica_on_the_streams_own_node_slows_them_as_a_local_prefill
     assert decide(ctx(decode=d, prefills=(apart,), slo=slo)).route == "disagg"
     decision = decide(ctx(decode=d, prefills=(beside,), slo=slo))
     assert (decision.route, decision.reason, decision.candidate.kind) == ("local", "protect-streams", "background")
-    far, near = (predict.remote(predict.RequestShape(1000, 32), p, d, 0, 0).prediction for p in (apart, beside))
+    far, near = (predict.remote(RequestShape(1000, 32), p, d, 0, 0).prediction for p in (apart, beside))
     assert near.streams_tpot_s > far.streams_tpot_s and near.ttft_s >= far.ttft_s
     alone = replica("d1", node_id="n1", **NODE_STREAMS)  # no contention learned: the node changes nothing
-    assert (predict.remote(predict.RequestShape(1000, 32), replica("p1", "prefill", node_id="n1"), alone, 0, 0)
-            == predict.remote(predict.RequestShape(1000, 32), replica("p1", "prefill", node_id="n2"), alone, 0, 0))
+    assert (predict.remote(RequestShape(1000, 32), replica("p1", "prefill", node_id="n1"), alone, 0, 0)
+            == predict.remote(RequestShape(1000, 32), replica("p1", "prefill", node_id="n2"), alone, 0, 0))
 
 
 def test_one_more_busy_neighbour_slows_a_replica_by_its_share():
@@ -394,5 +394,5 @@ def test_one_more_busy_neighbour_slows_a_replica_by_its_share():
 def test_a_decode_replica_whose_steps_cost_nothing_still_prices_a_remote_prefill():
     free = StepCoefficients(0.0, 0.0, 0.0, 0.0, 0.0)
     d = replica("d1", coefficients=free, queue_tokens=1, queue_work=100)  # a queued step priced at 0 s
-    candidate = predict.remote(predict.RequestShape(1, 1), replica("p1", "prefill", coefficients=free), d, 0, 0)
+    candidate = predict.remote(RequestShape(1, 1), replica("p1", "prefill", coefficients=free), d, 0, 0)
     assert candidate.prediction.tpot_s >= 0.0

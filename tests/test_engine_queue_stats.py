@@ -10,6 +10,7 @@ import json
 
 import pytest
 
+from router.candidate import RequestShape
 from tests.engine_support import greedy, make_engine_fixture, random_prompts  # noqa: F401
 from workers.engine import SamplingParams
 from workers.engine.cost_model import StepCoefficients, prefill_work
@@ -162,7 +163,7 @@ def test_a_foreground_prompt_is_priced_before_the_background_work_queued_there()
     from router.replica_load import ReplicaLoad
 
     coefficients = StepCoefficients(0.005, 1e-4, 0.0, 5e-4, 0.0)
-    req = predict.RequestShape(prompt_len=200, max_tokens=8)
+    req = RequestShape(prompt_len=200, max_tokens=8)
     behind_background = ReplicaLoad("d1", "decode", coefficients, chunk_tokens=512, queue_tokens=4000,
                                     background_tokens=4000)
     idle = ReplicaLoad("d1", "decode", coefficients, chunk_tokens=512)

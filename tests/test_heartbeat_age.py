@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 
+from router.candidate import Prediction
 from router.cluster_view import MAX_HEARTBEAT_AGE_S, ClusterView, ReplicaInfo
 from router.placement import Placement
 from router.policy import RouteDecision
-from router.predict import Prediction
 from workers.engine.cost_model import StepCoefficients
 
 # a 100-token chunk costs 10 ms + 1 ms a token: 500 queued tokens drain in 5 steps, 0.55 s

@@ -9,6 +9,7 @@ import pytest
 
 from cluster.config import SLO
 from router.arrival_rate import ArrivalRate
+from router.candidate import RequestShape
 from tests.test_auto_policy import ctx, replica
 from workers.engine.cost_model import StepCoefficients
 
@@ -50,7 +51,7 @@ def test_a_long_background_prefill_loses_to_remote_where_requests_keep_arriving(
     its chunks at 70-90 ms a token against 63. Counting the ~18 that join while it runs, it
     goes remote; with none arriving, the background prefill still wins."""
     from router.auto_policy import best, score
-    from router.predict import Candidate, Prediction
+    from router.candidate import Candidate, Prediction
 
     context = ctx(prompt_len=1496, slo=SLO(ttft_ms=5916, tpot_ms=63), decode=replica("d1", num_streams=6))
     background = Candidate("background", "d1", "d1", Prediction(4.226, 0.0296, 0.0396), 21, 6)
@@ -69,7 +70,7 @@ def test_a_long_background_prefill_loses_to_remote_where_requests_keep_arriving(
 def test_a_candidate_knows_the_streams_joining_while_its_chunks_run():
     from router import predict
 
-    req = predict.RequestShape(1496, 16)
+    req = RequestShape(1496, 16)
     quiet = replica("d1", num_streams=6, stream_context=6 * 150, stream_tokens_left=20.0)
     busy = dataclasses.replace(quiet, arrival_rate=4.0)
     for d in (quiet, busy):
@@ -125,7 +126,7 @@ def test_a_prefill_on_an_empty_decode_replica_prices_the_requests_that_join_mean
                    prefills=(replica("p1", "prefill", coefficients=CPU),))
 
     busy = context(1.3)
-    local = predict.local(predict.RequestShape(1470, 16), busy.decode, 0)
+    local = predict.local(RequestShape(1470, 16), busy.decode, 0)
     prefill = predict.drain(busy.decode, predict.foreground(busy.decode, 0, 1470))
     assert local.num_streams == 0 and local.joining_streams == pytest.approx(1.3 * prefill.own_s)
     assert local.joining_streams > 1.0
@@ -134,7 +135,7 @@ def test_a_prefill_on_an_empty_decode_replica_prices_the_requests_that_join_mean
     assert scored["local"].loss > scored["remote"].loss
     assert AutoPolicy().decide(busy).candidate.kind == "remote"
     quiet = context(0.0)
-    assert predict.local(predict.RequestShape(1470, 16), quiet.decode, 0).prediction.streams_tpot_s == 0.0
+    assert predict.local(RequestShape(1470, 16), quiet.decode, 0).prediction.streams_tpot_s == 0.0
     assert AutoPolicy().decide(quiet).candidate.kind == "local"
 
 
@@ -156,7 +157,7 @@ def test_requests_prefilling_elsewhere_and_due_during_a_local_prefill_join_it():
     soon, later = context((0.3, 0.6)), context((3.0, 4.0))
     own_s = predict.drain(soon.decode, predict.foreground(soon.decode, 0, 1470)).own_s
     assert 0.6 < own_s < 3.0
-    assert predict.local(predict.RequestShape(1470, 16), soon.decode, 0).joining_streams == 2
-    assert predict.local(predict.RequestShape(1470, 16), later.decode, 0).joining_streams == 0
+    assert predict.local(RequestShape(1470, 16), soon.decode, 0).joining_streams == 2
+    assert predict.local(RequestShape(1470, 16), later.decode, 0).joining_streams == 0
     assert AutoPolicy().decide(soon).candidate.kind == "remote"
     assert AutoPolicy().decide(later).candidate.kind == "local"

@@ -15,6 +15,7 @@ from router import predict
 from router.arrival_rate import MAX_KEPT, ArrivalRate
 from router.arrival_rate import WINDOW_S as ARRIVAL_WINDOW_S
 from router.burst_risk import burst_miss_chance
+from router.candidate import RequestShape
 from router.routing import decide
 from tests.test_auto_policy import COEFFS, ctx, replica
 
@@ -129,7 +130,7 @@ def test_the_view_keeps_each_prompt_placed_on_a_replica_over_the_window():
 def test_the_chance_that_a_long_prompt_lands_while_a_request_decodes(name, recent, tpot_s, max_tokens, num_long):
     coefficients = dataclasses.replace(COEFFS, prefill_attention_s=1e-4)
     r = replica("p1", "prefill", coefficients=coefficients, recent_prompts=recent)
-    req = predict.RequestShape(prompt_len=10, max_tokens=max_tokens)  # itself far too short to stall anyone
+    req = RequestShape(prompt_len=10, max_tokens=max_tokens)  # itself far too short to stall anyone
     exposed_s = (max_tokens - 1) * tpot_s
     expected = 1.0 - math.exp(-num_long / ARRIVAL_WINDOW_S * exposed_s)
     assert burst_miss_chance(req, r, tpot_s, 0.020) == pytest.approx(expected)
@@ -141,7 +142,7 @@ def test_a_long_prompt_counts_itself_among_the_long_prompts_arriving():
     that more may follow, where the window alone holds none yet."""
     r = replica("p1", "prefill", coefficients=COEFFS, recent_prompts=((100.0, 0.0),) * 5)
     exposed_s = 31 * 0.010
-    long_one = predict.RequestShape(prompt_len=5000, max_tokens=32)  # 500 ms against 310 ms of slack
+    long_one = RequestShape(prompt_len=5000, max_tokens=32)  # 500 ms against 310 ms of slack
     assert burst_miss_chance(long_one, r, 0.010, 0.020) == pytest.approx(
         1.0 - math.exp(-1 / ARRIVAL_WINDOW_S * exposed_s))
     assert burst_miss_chance(dataclasses.replace(long_one, prompt_len=100), r, 0.010, 0.020) == 0.0

@@ -142,10 +142,10 @@ def test_an_empty_queue_takes_the_short_path_to_the_same_answer(tokens, streams,
 
 
 def test_the_view_knows_the_chunk_of_a_background_prefill_it_sent_before_any_heartbeat():
+    from router.candidate import Candidate, Prediction
     from router.cluster_view import ClusterView, ReplicaInfo
     from router.placement import Placement
     from router.policy import RouteDecision
-    from router.predict import Candidate, Prediction
 
     view = ClusterView(16, 8)
     d1 = ReplicaInfo("d1", "decode", stats={"num_decoding": 2, "decode_context_tokens": 200})

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from router import predict
+from router.candidate import RequestShape
 from router.replica_load import ReplicaLoad, from_stats
 from tests.engine_support import greedy, make_engine_fixture, random_prompts  # noqa: F401
 from workers.engine.cost_model import StepCoefficients
@@ -67,7 +68,7 @@ COEFFS = StepCoefficients(0.005, 1e-4, 0.0, 5e-4, 0.0)
 
 
 def test_a_tpot_prediction_leans_on_the_recent_gap():
-    req = predict.RequestShape(prompt_len=100, max_tokens=32)
+    req = RequestShape(prompt_len=100, max_tokens=32)
     quiet_now = ReplicaLoad("d1", "decode", COEFFS, num_streams=1, stream_context=200, stream_tokens_left=20)
     cold = predict.local(req, quiet_now, 0).prediction.tpot_s
     assert cold == pytest.approx(predict.decode_step_s(quiet_now, 1, 100))  # no recent past: the state now

@@ -9,8 +9,8 @@ import math
 
 import pytest
 
-from router import predict
 from router.auto_policy import candidates, corrected
+from router.candidate import Prediction
 from router.corrections import ANY_REPLICA, HOP_SMOOTHING, MAX_HOP_S, Corrections, Outcome
 from router.learning import outcome_of
 from router.placement import Placement
@@ -110,6 +110,6 @@ def test_a_worker_ttft_crosses_the_wire():
 
 
 def test_the_hop_is_not_scaled_by_the_overdue_factor():
-    prediction = predict.Prediction(ttft_s=0.2, tpot_s=0.02, transfer_s=0.05)
+    prediction = Prediction(ttft_s=0.2, tpot_s=0.02, transfer_s=0.05)
     shown = prediction.scaled(2.0, 1.0, overdue=1.5, hop_s=0.03)
     assert shown.ttft_s == pytest.approx(((0.2 - 0.05) * 2.0 + 0.05) * 1.5 + 0.03)

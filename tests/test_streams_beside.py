@@ -19,6 +19,7 @@ import pytest
 from cluster.config import SLO, WorkloadProfile
 from router import predict
 from router.auto_policy import candidates, score
+from router.candidate import RequestShape
 from router.cluster_view import ClusterView, ReplicaInfo
 from router.placement import PolicyInputs, place
 from router.routing import decide
@@ -119,7 +120,7 @@ def test_a_background_chunk_is_sized_for_the_streams_still_in_reach():
     reach would allow."""
     decision = decide(ctx(decode=_busy(MIXED), slo=SLO(ttft_ms=3000, tpot_ms=12), prefills=SATURATED))
     assert (decision.candidate.kind, decision.reason) == ("background", "protect-streams")
-    shape = predict.RequestShape(1000, 32)
+    shape = RequestShape(1000, 32)
     assert decision.chunk_tokens == predict.background_chunk(shape, _busy(MIXED), 0.012) > 1
     assert predict.background_chunk(shape, _busy(MIXED), 0.004) == 1
 
@@ -170,7 +171,7 @@ def test_of_routes_that_all_meet_the_one_that_leaves_the_most_requests_a_margin_
     prefill, which then held the decode replica for 2.5 s; six streams' margin outweighs
     a few points of one request's."""
     from router.auto_policy import best, score
-    from router.predict import Candidate, Prediction
+    from router.candidate import Candidate, Prediction
 
     context = ctx(prompt_len=1496, slo=SLO(ttft_ms=5758, tpot_ms=61),
                   decode=replica("d1", num_streams=6, stream_allowances=(0.1266,)))

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from router import predict
 from router.auto_policy import candidates, corrected
+from router.candidate import LONG_PROMPT_TOKENS, Candidate
 from router.corrections import Corrections, Outcome
 from router.learning import outcome_of
 from router.placement import Placement
@@ -15,7 +15,7 @@ from router.policy import RouteDecision
 from tests.test_auto_policy import ctx
 
 
-def by_kind(prompt_len: int, num_cached_tokens: int = 0) -> dict[str, predict.Candidate]:
+def by_kind(prompt_len: int, num_cached_tokens: int = 0) -> dict[str, Candidate]:
     return {c.kind: c for c in candidates(ctx(prompt_len=prompt_len, num_cached_tokens=num_cached_tokens,
                                               prefill_cached_tokens=(num_cached_tokens,)))}
 
@@ -27,7 +27,7 @@ def test_a_candidate_learns_its_ttft_by_the_tokens_it_computes():
     assert long["remote"].learned_as == "disagg"  # its TPOT is learned with every other prompt's
     cached = by_kind(1500, num_cached_tokens=1200)  # 300 computed: a short prefill behind a cached prefix
     assert cached["remote"].computed_tokens == 300 and cached["remote"].ttft_learned_as == "disagg"
-    edge = by_kind(predict.LONG_PROMPT_TOKENS)
+    edge = by_kind(LONG_PROMPT_TOKENS)
     assert edge["local"].ttft_learned_as == "local:long"
 
 

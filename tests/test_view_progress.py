@@ -4,10 +4,10 @@ which counts each prompt whole until its first token, gives way to that."""
 
 from __future__ import annotations
 
+from router.candidate import Prediction
 from router.cluster_view import ClusterView, ReplicaInfo
 from router.placement import Placement
 from router.policy import RouteDecision
-from router.predict import Prediction
 from router.replica_load import from_stats
 from workers.engine.request_ids import engine_request_id, origin_request_id
 

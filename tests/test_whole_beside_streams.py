@@ -10,6 +10,7 @@ import pytest
 from cluster.config import SLO, WorkloadProfile
 from router import predict
 from router.auto_policy import score
+from router.candidate import RequestShape
 from router.cluster_view import ClusterView, ReplicaInfo
 from router.placement import PolicyInputs, place
 from router.routing import decide
@@ -21,7 +22,7 @@ def _streams(n: int, context: int = 300, left: float = 30.0) -> dict:
 
 
 def test_the_whole_candidate_prices_the_streams_already_on_the_prefill_replica():
-    req = predict.RequestShape(prompt_len=100, max_tokens=32)
+    req = RequestShape(prompt_len=100, max_tokens=32)
     idle = predict.whole(req, replica("p1", "prefill"), 0)
     busy = predict.whole(req, replica("p1", "prefill", **_streams(4)), 0)
     assert (idle.num_streams, idle.prediction.streams_tpot_s) == (0, 0.0)
