@@ -133,24 +133,56 @@ def foreground(r: ReplicaLoad, start: int, end: int) -> Own:
     return own_prompt(start, end, max(1, r.chunk_tokens - r.num_streams - r.queued_streams))
 
 
+Phases = tuple[tuple[float, float], ...]  # busy steps in order, as (steps, mean step) runs
+
+
 def _mean_gap(gaps: float, slow_steps: float, slow_step_s: float, after_step_s: float) -> float:
     """The mean of `gaps` gaps, the first `slow_steps` of them (at most all) `slow_step_s`
     long and the rest `after_step_s`."""
-    slow = min(max(slow_steps, 0.0), gaps)
-    return (slow * slow_step_s + (gaps - slow) * after_step_s) / gaps
+    return _phased_mean(gaps, ((slow_steps, slow_step_s),), after_step_s)
 
 
-def _streams_tpot(r: ReplicaLoad, busy_steps: float, busy_step_s: float, after_step_s: float,
+def _phased_mean(gaps: float, phases: Phases, after_step_s: float) -> float:
+    """The mean of `gaps` gaps through `phases` in order (as many of their steps as
+    `gaps` reaches), the rest `after_step_s` long."""
+    total, left = 0.0, gaps
+    for steps, step in phases:
+        take = min(max(steps, 0.0), left)
+        total, left = total + take * step, left - take
+    return (total + left * after_step_s) / gaps
+
+
+def _skip(phases: Phases, seconds: float) -> Phases:
+    """`phases` from `seconds` on."""
+    out = []
+    for steps, step in phases:
+        span = steps * step
+        if seconds >= span:
+            seconds -= span
+            continue
+        out.append((steps - seconds / step if step > 0 else steps, step))
+        seconds = 0.0
+    return tuple(out)
+
+
+def _num_steps(phases: Phases) -> float:
+    return sum(steps for steps, _ in phases)
+
+
+def _streams_tpot(r: ReplicaLoad, phases: Phases, after_step_s: float,
                   joiner: RequestShape | None = None) -> float:
-    """The streams' mean gap over what they have left: `busy_steps` slow ones, then the
-    rest; with a `joiner`, the rest at `after_step_s` only while it decodes beside them
-    (`_beside_joiner`)."""
+    """The streams' mean gap over what they have left: through the slow `phases`, then
+    the rest; with a `joiner`, the rest at `after_step_s` only while it decodes beside
+    them (`_beside_joiner`). Priced at the phases' mean step, two streams 15 tokens from
+    their end beside a 1,500-token foreground prompt (4 steps of 330 ms) and a
+    background prompt trailing on after it (53 of 43 ms) looked 63 ms a token; one saw
+    121 (bench cluster run CB, load shift)."""
     if r.num_streams == 0:
         return 0.0
     left = max(r.stream_tokens_left, 1.0)
     if joiner is not None:
-        after_step_s = _beside_joiner(joiner, r, left - min(busy_steps, left), after_step_s)
-    return _mean_gap(left, busy_steps, busy_step_s, after_step_s)
+        after_step_s = _beside_joiner(joiner, r, left - min(_num_steps(phases), left), after_step_s)
+    return _phased_mean(left, phases, after_step_s)
 
 
 def _beside_joiner(req: RequestShape, r: ReplicaLoad, gaps: float, with_s: float) -> float:
@@ -176,10 +208,10 @@ def _queued_tpot(r: ReplicaLoad, own_steps: float, own_step_s: float, after_step
     return _mean_gap(max(r.queued_tokens_left - 1.0, 1.0), own_steps, max(own_step_s, after_step_s), after_step_s)
 
 
-def _own_tpot(req: RequestShape, d: ReplicaLoad, queue_steps_left: float, busy_step_s: float) -> float:
-    """This request's mean gap on `d`, its queue still prefilling for `queue_steps_left` steps."""
+def _own_tpot(req: RequestShape, d: ReplicaLoad, queue_left: Phases) -> float:
+    """This request's mean gap on `d`, its queue's chunks still running there for `queue_left`."""
     after = expected_gap_s(d, req.num_sequences * req.decode_cost, req.num_sequences * req.prompt_len)
-    return _mean_gap(max(req.max_tokens - 1, 1), queue_steps_left, max(busy_step_s, after), after)
+    return _phased_mean(max(req.max_tokens - 1, 1), tuple((n, max(step, after)) for n, step in queue_left), after)
 
 
 def remote(req: RequestShape, p: ReplicaLoad, d: ReplicaLoad, prefill_cached: int, decode_cached: int,
@@ -196,15 +228,13 @@ def remote(req: RequestShape, p: ReplicaLoad, d: ReplicaLoad, prefill_cached: in
     after = decode_step_s(d, req.num_sequences * req.decode_cost, req.num_sequences * req.prompt_len)
     # half a step to reserve, half to commit, one to report the first token
     ttft = prefill.seconds + tail + 2.0 * max(current_step_s(d, d_queue) * during_x, 0.5 * after)
-    d_steps_left = d_queue.busy_steps - ttft / d_queue.step_s if d_queue.busy_steps and d_queue.step_s > 0 else 0.0
-    tpot = _own_tpot(req, d, d_steps_left, d_queue.step_s)
-    busy_steps, busy_s = float(d_queue.busy_steps), d_queue.busy_s
+    tpot = _own_tpot(req, d, _skip(d_queue.phases, ttft))
+    busy = d_queue.phases
     if during_x > 1.0 and d.num_streams:  # the prefill slows the streams of its node's decode replica
         gap = expected_gap_s(d) * during_x
-        slowed = prefill.seconds / gap if gap > 0 else 0.0
-        busy_steps, busy_s = busy_steps + slowed, busy_s + slowed * gap
-    streams = _streams_tpot(d, busy_steps, busy_s / busy_steps if busy_steps else 0.0, _gap_with(req, d), req)
-    host = _streams_tpot(p, prefill.busy_steps, prefill.step_s, expected_gap_s(p))
+        busy += ((prefill.seconds / gap if gap > 0 else 0.0, gap),)
+    streams = _streams_tpot(d, busy, _gap_with(req, d), req)
+    host = _streams_tpot(p, prefill.phases, expected_gap_s(p))
     return Candidate("remote", d.replica_id, p.replica_id, Prediction(ttft, tpot, streams, tail, host),
                      num_streams=d.num_streams, host_streams=p.num_streams,
                      overdue_x=p.overdue.get("disagg", 1.0), computed_tokens=req.prompt_len - start)
@@ -223,9 +253,9 @@ def _on_decode_replica(kind: Kind, req: RequestShape, d: ReplicaLoad, prefill: D
     """A prompt prefilled on `d` (`prefill`, its drain there) and decoded there: its own
     gaps beside the prompt chunks still running after its first token, and the streams'
     beside every prompt chunk from now on (the prompts queued ahead decode beside its own)."""
-    tpot = _own_tpot(req, d, prefill.after_steps, prefill.after_step_s)
+    tpot = _own_tpot(req, d, prefill.phases[1:])
     after = _gap_with(req, d)
-    streams = max(_streams_tpot(d, prefill.busy_steps, prefill.step_s, after, req),
+    streams = max(_streams_tpot(d, prefill.phases, after, req),
                   _queued_tpot(d, prefill.own_steps, prefill.own_step_s, after))
     joining = d.arrival_rate * prefill.own_s + bisect.bisect_left(d.incoming_due_s, prefill.seconds)
     if not streams and joining > 0.0:  # none decode there yet: those expected to join meanwhile (`_joiner_tpot`)

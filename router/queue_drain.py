@@ -42,7 +42,9 @@ class Own:
 
 @dataclass(frozen=True, slots=True)
 class Drain:
-    seconds: float  # from now until the priced prompt's last chunk (no prompt: the queue's)
+    # from now until the priced prompt's last chunk (no prompt: the foreground lane's last,
+    # or the background's when there is no foreground)
+    seconds: float
     steps: int  # the steps of `seconds`
     busy_steps: int  # steps until both lanes are empty, the priced prompt's included
     busy_s: float  # their time
@@ -67,6 +69,16 @@ class Drain:
     def after_step_s(self) -> float:
         """Their mean time."""
         return (self.busy_s - self.seconds) / self.after_steps if self.after_steps else 0.0
+
+    @property
+    def phases(self) -> tuple[tuple[float, float], ...]:
+        """The busy steps in order, as (steps, mean step) runs: those up to the priced
+        prompt's last chunk (no prompt: the foreground lane's), then those the lanes
+        still carry. A stream a few tokens from its end sees only the first: the
+        foreground's full-budget chunks come first, a background prompt's small ones
+        trail on after them."""
+        head = (float(self.steps), self.seconds / self.steps) if self.steps else (0.0, 0.0)
+        return head, (float(self.after_steps), self.after_step_s)
 
 
 def token_cost(c: StepCoefficients, tokens: float, work: float) -> float:
@@ -203,8 +215,12 @@ def _queue_only(r: ReplicaLoad, lanes: _Lanes) -> Drain:
     bg_steps = lanes.bg_steps
     if lanes.bg_tokens and not lanes.fg_tokens and r.num_streams == 0 and r.queued_streams == 0:
         bg_steps = math.ceil(lanes.bg_tokens / lanes.budget)  # nothing decodes: the budget is its own
-    busy_steps = max(steps_for(lanes.fg_tokens, lanes.fg_phases()), bg_steps)
+    fg_steps = steps_for(lanes.fg_tokens, lanes.fg_phases())
+    busy_steps = max(fg_steps, bg_steps)
     busy_s = busy_steps * lanes.per + lanes.queue_cost
+    if 0 < fg_steps < busy_steps:  # the background lane trails on alone at its chunk
+        fg_s = fg_steps * lanes.per + token_cost(lanes.c, lanes.fg_tokens, lanes.fg_work) + lanes.bg_cost(fg_steps)
+        return Drain(fg_s, fg_steps, busy_steps, busy_s)
     return Drain(busy_s, busy_steps, busy_steps, busy_s)
 
 
