@@ -63,6 +63,7 @@ from workers.engine.cost_model import StepCoefficients
 
 STREAM_TPOT_MARGIN = 0.9  # a background chunk aims this far inside the streams' objective
 NOW_WEIGHT = 0.3  # of a replica's state now in a stream's expected gap; the rest is its recent past
+IDLE_CHUNK_DECODE_STEPS = 1.0  # a background chunk on a replica with no streams yet (`_joiner_chunk`)
 MAX_PROMPT_SHARE = 0.9  # of a replica's time taken by arriving prompts, as a stream's gap prices it
 
 
@@ -307,16 +308,43 @@ def background_chunk(req: RequestShape, d: ReplicaLoad, stream_tpot_slo_s: float
     return int(max(1, min(budget, room / per_token)))
 
 
+def _joiner_chunk(req: RequestShape, d: ReplicaLoad) -> int:
+    """The chunk of a background prefill on a replica with no streams yet: prompt tokens
+    costing `IDLE_CHUNK_DECODE_STEPS` of the decode step a request landing there takes.
+    Sized as where streams decode (`background_chunk`, to 0.9 of their objective), the
+    requests landing beside it decoded at the edge of their objective; simulated load
+    shifts (23 traces, 4,104 long prompts) met 3,406 there, 3,595 / 3,680 / 3,593 / 3,437
+    at 0.5 / 1 / 1.5 / 2 decode steps, and 3,519 with no such candidate."""
+    c = d.coefficients
+    per_token = c.prefill_token_s + c.prefill_attention_s * req.prompt_len
+    step = decode_step_s(d, 1.0, req.prompt_len)
+    return max(1, min(d.chunk_tokens, int(IDLE_CHUNK_DECODE_STEPS * step / per_token))) if per_token > 0 else d.chunk_tokens
+
+
 def background(req: RequestShape, d: ReplicaLoad, cached: int, stream_tpot_slo_s: float,
                d_queue: Drain | None = None) -> Candidate | None:
-    """Prefill on `d` yielding to its streams; None when it has none (then it is `local`).
-    Its chunk runs every step, beside the foreground prompts (`router/queue_drain.py`),
-    once the background prefills queued ahead of it are done; it is priced as if streams
-    stay beside it to the end (on a replica that decodes, new ones keep arriving)."""
-    if d.num_streams == 0:
+    """Prefill on `d` yielding to its streams; None when it has none and none are expected
+    to join (then it is `local`). Its chunk runs every step, beside the foreground prompts
+    (`router/queue_drain.py`), once the background prefills queued ahead of it are done;
+    it is priced as if streams stay beside it to the end (on a replica that decodes, new
+    ones keep arriving). On a replica with no streams yet but remote prefills due to land
+    there, the engine gives it the whole budget until one lands: priced at its chunk
+    (`_joiner_chunk`) all the same, its TTFT errs long, while the requests landing
+    meanwhile decode beside its small chunks rather than a foreground prompt's full
+    ones. Without it, long prompts found an idle decode replica with remote prefills due
+    there, their foreground prefill priced at those missing, and they waited 3.2-3.4 s
+    behind them on the prefill replica against a 3.4 s objective (bench cluster, load
+    shift: 19 long prompts met against the threshold rule's 24, which spills them to the
+    decode replica in the background)."""
+    idle = d.num_streams == 0
+    if idle and not d.incoming_due_s:
         return None
     chunk = background_chunk(req, d, stream_tpot_slo_s)
     start = _start(req, cached)
+    if idle:
+        chunk = min(chunk, _joiner_chunk(req, d))
+        if req.prompt_len - start <= chunk:  # one chunk: it runs as `local` would
+            return None
     prefill = drain(d, own_prompt(start, req.prompt_len, chunk, background_chunk=chunk))
     return _on_decode_replica("background", req, d, prefill, d_queue, chunk, req.prompt_len - start)
 

@@ -161,3 +161,46 @@ def test_requests_prefilling_elsewhere_and_due_during_a_local_prefill_join_it():
     assert predict.local(RequestShape(1470, 16), later.decode, 0).joining_streams == 0
     assert AutoPolicy().decide(soon).candidate.kind == "remote"
     assert AutoPolicy().decide(later).candidate.kind == "local"
+
+
+def test_an_idle_decode_replica_with_remote_prefills_due_offers_a_background_prefill():
+    """A decision from `bench cluster`'s load shift: a 1,317-token prompt, nothing decoding
+    on the decode replica yet but two remote prefills due to land there within 2.6 s,
+    the prefill replica 4,037 tokens behind. In the foreground the prompt would stall them
+    as they start decoding (56 ms a token against 53), remote it waits 3 s of a 3.4 s
+    objective; in the background its chunks cost about one decode step of theirs, so it
+    goes there. With nothing due, the background candidate is not offered: the engine
+    would give it the whole budget, as `local`."""
+    from router import predict
+    from router.auto_policy import AutoPolicy, candidates, score
+
+    decode_model = StepCoefficients(0.0099, 3.6e-4, 2.2e-7, 6e-5, 2.3e-6, node_contention=0.45).slowed(1.0)
+    prefill_model = StepCoefficients(0.0086, 4.2e-4, 9.3e-8, 1.3e-3, 2.7e-6, node_contention=0.2).slowed(1.0)
+    slo = SLO(ttft_ms=3433, tpot_ms=53)
+
+    def context(due: tuple[float, ...]):
+        d = replica("d1", coefficients=decode_model, incoming_due_s=due, arrival_rate=1.7, recent_gap_s=0.0186,
+                    stream_allowances=(0.053,) * len(due))
+        p = replica("p1", "prefill", coefficients=prefill_model, queue_tokens=4037, num_requests=2)
+        return ctx(prompt_len=1317, slo=slo, decode=d, max_tokens=16, prefills=(p,))
+
+    due = context((1.57, 2.61))
+    scored = {c.kind: score(due, c, c.prediction) for c in candidates(due)}
+    background, local = scored["background"].candidate, scored["local"].candidate
+    one_step = predict.decode_step_s(due.decode, 1.0, 1317)
+    chunk_cost = background.chunk_tokens * (decode_model.prefill_token_s + decode_model.prefill_attention_s * 1317)
+    assert chunk_cost <= one_step * predict.IDLE_CHUNK_DECODE_STEPS
+    assert background.prediction.streams_tpot_s < 0.053 < local.prediction.streams_tpot_s
+    assert scored["background"].loss < scored["local"].loss
+    assert AutoPolicy().decide(due).candidate.kind == "background"
+    quiet = context(())
+    assert "background" not in {c.kind for c in candidates(quiet)}
+    assert AutoPolicy().decide(quiet).candidate.kind == "remote"
+
+
+def test_a_prompt_that_fits_one_chunk_is_not_offered_the_background_on_an_idle_replica():
+    from router import predict
+
+    d = replica("d1", coefficients=CPU, incoming_due_s=(0.5,))
+    assert predict.background(RequestShape(20, 8), d, 0, 0.05) is None
+    assert predict.background(RequestShape(1500, 8), d, 0, 0.05) is not None
