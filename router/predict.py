@@ -57,7 +57,7 @@ import bisect
 import math
 
 from router.candidate import Candidate, Kind, Prediction, RequestShape
-from router.queue_drain import Drain, Own, drain, own_prompt
+from router.queue_drain import Drain, Own, Phases, drain, own_prompt
 from router.replica_load import ReplicaLoad
 from workers.engine.cost_model import StepCoefficients
 
@@ -132,9 +132,6 @@ def foreground(r: ReplicaLoad, start: int, end: int) -> Own:
     """Prompt positions [start, end) in `r`'s foreground lane, at the chunks its streams
     and the prompts queued ahead leave of the budget."""
     return own_prompt(start, end, max(1, r.chunk_tokens - r.num_streams - r.queued_streams))
-
-
-Phases = tuple[tuple[float, float], ...]  # busy steps in order, as (steps, mean step) runs
 
 
 def _mean_gap(gaps: float, slow_steps: float, slow_step_s: float, after_step_s: float) -> float:

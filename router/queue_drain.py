@@ -30,6 +30,8 @@ from router.replica_load import ReplicaLoad
 from workers.engine.cost_model import StepCoefficients, prefill_work
 from workers.engine.scheduler import DEFAULT_YIELD_TOKENS
 
+Phases = tuple[tuple[float, float], ...]  # busy steps in order, as (steps, mean step) runs
+
 
 @dataclass(frozen=True, slots=True)
 class Own:
@@ -71,7 +73,7 @@ class Drain:
         return (self.busy_s - self.seconds) / self.after_steps if self.after_steps else 0.0
 
     @property
-    def phases(self) -> tuple[tuple[float, float], ...]:
+    def phases(self) -> Phases:
         """The busy steps in order, as (steps, mean step) runs: those up to the priced
         prompt's last chunk (no prompt: the foreground lane's), then those the lanes
         still carry. A stream a few tokens from its end sees only the first: the
