@@ -251,9 +251,10 @@ def _on_decode_replica(kind: Kind, req: RequestShape, d: ReplicaLoad, prefill: D
     """A prompt prefilled on `d` (`prefill`, its drain there) and decoded there: its own
     gaps beside the prompt chunks still running after its first token, and the streams'
     beside every prompt chunk from now on (the prompts queued ahead decode beside its own)."""
-    tpot = _own_tpot(req, d, prefill.phases[1:])
+    phases = prefill.phases
+    tpot = _own_tpot(req, d, phases[1:])
     after = _gap_with(req, d)
-    streams = max(_streams_tpot(d, prefill.phases, after, req),
+    streams = max(_streams_tpot(d, phases, after, req),
                   _queued_tpot(d, prefill.own_steps, prefill.own_step_s, after))
     joining = d.arrival_rate * prefill.own_s + bisect.bisect_left(d.incoming_due_s, prefill.seconds)
     if not streams and joining > 0.0:  # none decode there yet: those expected to join meanwhile (`_joiner_tpot`)
@@ -295,14 +296,7 @@ def stream_objective_s(d: ReplicaLoad, default_s: float, floor_s: float) -> tupl
 def background_chunk(req: RequestShape, d: ReplicaLoad, stream_tpot_slo_s: float) -> int:
     """The prompt tokens a decoding step may take so that it stays inside the streams'
     objective (at least one token; at most the budget the streams leave)."""
-    c = d.coefficients
-    base = decode_step_s(d)
-    per_token = c.prefill_token_s + c.prefill_attention_s * req.prompt_len
-    budget = max(1, d.chunk_tokens - d.num_streams)
-    room = STREAM_TPOT_MARGIN * stream_tpot_slo_s - base
-    if per_token <= 0:
-        return budget
-    return int(max(1, min(budget, room / per_token)))
+    return _tokens_costing(req, d, STREAM_TPOT_MARGIN * stream_tpot_slo_s - decode_step_s(d))
 
 
 def _joiner_chunk(req: RequestShape, d: ReplicaLoad) -> int:
@@ -312,10 +306,18 @@ def _joiner_chunk(req: RequestShape, d: ReplicaLoad) -> int:
     requests landing beside it decoded at the edge of their objective; simulated load
     shifts (23 traces, 4,104 long prompts) met 3,406 there, 3,595 / 3,680 / 3,593 / 3,437
     at 0.5 / 1 / 1.5 / 2 decode steps, and 3,519 with no such candidate."""
+    return _tokens_costing(req, d, IDLE_CHUNK_DECODE_STEPS * decode_step_s(d, 1.0, req.prompt_len))
+
+
+def _tokens_costing(req: RequestShape, d: ReplicaLoad, seconds: float) -> int:
+    """This prompt's tokens that add `seconds` to one of `d`'s steps, in [1, the budget
+    its streams leave]."""
     c = d.coefficients
     per_token = c.prefill_token_s + c.prefill_attention_s * req.prompt_len
-    step = decode_step_s(d, 1.0, req.prompt_len)
-    return max(1, min(d.chunk_tokens, int(IDLE_CHUNK_DECODE_STEPS * step / per_token))) if per_token > 0 else d.chunk_tokens
+    budget = max(1, d.chunk_tokens - d.num_streams)
+    if per_token <= 0:
+        return budget
+    return int(max(1, min(budget, seconds / per_token)))
 
 
 def background(req: RequestShape, d: ReplicaLoad, cached: int, stream_tpot_slo_s: float,
