@@ -5,6 +5,8 @@ blends it with the state now."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from router import predict
@@ -16,9 +18,10 @@ from workers.engine.recent_load import MIN_STEPS, WINDOW_S, recent_load
 from workers.engine.step_cost import StepRecord
 
 
-def step(at: float, decode_seqs: int, step_s: float = 0.01, prefill: int = 0) -> StepRecord:
+def step(at: float, decode_seqs: int, step_s: float = 0.01, prefill: int = 0, finished: int = 0) -> StepRecord:
     return StepRecord(start_time=at, step_time_s=step_s, num_prefill_tokens=prefill, num_decode_seqs=decode_seqs,
-                      num_context_tokens=0, num_running=decode_seqs, num_waiting=0)
+                      num_context_tokens=0, num_running=decode_seqs - finished, num_waiting=0,
+                      num_finished_streams=finished)
 
 
 def test_the_gap_is_weighted_by_streams_and_the_batch_by_time():
@@ -52,6 +55,22 @@ def test_old_steps_pauses_and_prefill_only_steps_are_left_out():
     assert recent_load(old, now=now) is None  # all older than the window
 
 
+def test_the_time_after_a_streams_last_token_is_no_gap_of_its():
+    # one stream at a time: 5 decode steps 20 ms apart, the last its final token, then
+    # 0.5 s idle until the next request; two streams where one ends count the other only
+    records, t = [], 100.0
+    for _ in range(3):
+        for i in range(5):
+            records.append(step(t, 1, finished=int(i == 4)))
+            t += 0.02
+        t += 0.5
+    records += [step(t, 2, finished=1), step(t + 0.03, 1)]
+    load = recent_load(records, now=t + 0.03)
+    assert load.num_steps == 3 * 4 + 1
+    assert load.stream_gap_s == pytest.approx((12 * 0.02 + 0.03) / 13)
+    assert load.decode_seqs == pytest.approx(1.0)
+
+
 def test_an_engine_that_decoded_reports_its_recent_gap(make_engine):
     engine = make_engine(max_num_batched_tokens=64)
     for i, prompt in enumerate(random_prompts([20, 30, 40], seed=3)):
@@ -62,6 +81,19 @@ def test_an_engine_that_decoded_reports_its_recent_gap(make_engine):
     assert 0 < stats["recent_stream_gap_s"] < 1.0 and 1.0 <= stats["recent_decode_seqs"] <= 3.0
     load = from_stats("d1", "decode", stats)
     assert load.recent_gap_s == stats["recent_stream_gap_s"]
+
+
+def test_an_engine_idle_between_requests_reports_the_gap_its_streams_saw(make_engine):
+    engine = make_engine()
+    for i, prompt in enumerate(random_prompts([12, 16, 20], seed=4)):
+        engine.add_request(f"r{i}", prompt, greedy(6, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+        time.sleep(1.0)  # idle: no stream waits through it
+    decoding = [r for r in engine.step_records if r.num_decode_seqs > 0]
+    assert [r.num_finished_streams for r in decoding] == [0, 0, 0, 0, 1] * 3
+    gap = engine.stats()["recent_stream_gap_s"]
+    assert gap < 0.07  # counting the two idle seconds would read 2 s / 14 gaps or more
 
 
 COEFFS = StepCoefficients(0.005, 1e-4, 0.0, 5e-4, 0.0)

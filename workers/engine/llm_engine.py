@@ -294,16 +294,18 @@ class LLMEngine(KVImport, Forking):
         # The step has advanced each sequence: its chunk was [computed - new, computed).
         chunks = [(s.seq.num_computed_tokens - s.num_new_tokens, s.seq.num_computed_tokens, s.seq)
                   for s in batch]
+        decodes = [seq for start, end, seq in chunks if end - start == 1 and start >= seq.num_prompt_tokens]
         prefills = [(start, end) for start, end, seq in chunks
                     if not (end - start == 1 and start >= seq.num_prompt_tokens)]
         record = StepRecord(
             start_time=start_time, step_time_s=step_time_s,
             num_prefill_tokens=sum(end - start for start, end in prefills),
-            num_decode_seqs=len(batch) - len(prefills), num_context_tokens=sum(end for _, end, _ in chunks),
+            num_decode_seqs=len(decodes), num_context_tokens=sum(end for _, end, _ in chunks),
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_prefill_seqs=len(prefills),
             prefill_attention_work=sum((end - start) * end for start, end in prefills), node_busy=node_busy,
-            cpu_time_s=max(0.0, thread.cpu_s), run_wait_s=max(0.0, thread.wait_s))
+            cpu_time_s=max(0.0, thread.cpu_s), run_wait_s=max(0.0, thread.wait_s),
+            num_finished_streams=sum(1 for seq in decodes if seq.is_finished))
         self.step_records.append(record)
         if batch:
             self.step_seconds["wall"] += step_time_s

@@ -45,6 +45,9 @@ class StepRecord:
     # (`thread_clock.py`); the rest it was blocked (another thread held the interpreter)
     cpu_time_s: float = 0.0
     run_wait_s: float = 0.0
+    # of num_decode_seqs, those whose token this step was their last: the time until the
+    # next step is no gap of theirs (it may be an idle engine waiting for work)
+    num_finished_streams: int = 0
 
 
 @dataclass(frozen=True)
