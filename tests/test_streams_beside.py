@@ -297,6 +297,26 @@ def test_a_remote_prefill_counts_the_request_running_whole_on_its_prefill_replic
     assert next(c for c in candidates(idle) if c.kind == "remote").prediction.host_streams_tpot_s == 0.0
 
 
+def test_a_remote_prefill_counts_the_request_queued_to_run_whole_on_its_prefill_replica():
+    """Bench cluster, load shift: the first long prompt was placed whole on the idle
+    prefill replica; the next one, sent remote while the first still prefilled there,
+    queued behind it and its chunks then stalled the first request's 16 tokens to 278 ms
+    a token against 75. Queued, that request was no stream yet and cost the remote route
+    nothing."""
+    cpu = StepCoefficients(0.02, 1e-3, 0.0, 5e-4, 0.0)
+    host = replica("p1", "prefill", coefficients=cpu, queue_tokens=1816, queue_work=1816 * 908,
+                   queued_streams=1, queued_context=1816, queued_tokens_left=16.0,
+                   stream_allowances=(0.075,), num_requests=1)
+    slo = SLO(ttft_ms=8000, tpot_ms=75)
+    context = ctx(prompt_len=1816, slo=slo, max_tokens=16, decode=replica("d1", coefficients=cpu),
+                  prefills=(host,))
+    remote = next(c for c in candidates(context) if c.kind == "remote")
+    assert remote.host_streams == 1
+    assert remote.prediction.host_streams_tpot_s > 0.075 > predict.decode_step_s(host, 1, 1816)
+    assert not score(context, remote, remote.prediction).meets
+    assert decide(context).route == "local"  # the decode replica is idle: the prompt prefills there
+
+
 def test_a_route_is_charged_only_the_misses_it_adds_to_the_streams():
     """Bench cluster, tight_tpot: the decode replica's streams decoded at 37-41 ms against
     a 29.74 ms objective whatever was routed. A remote prefill, which adds one stream
