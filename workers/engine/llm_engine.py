@@ -294,9 +294,8 @@ class LLMEngine(KVImport, Forking):
         # The step has advanced each sequence: its chunk was [computed - new, computed).
         chunks = [(s.seq.num_computed_tokens - s.num_new_tokens, s.seq.num_computed_tokens, s.seq)
                   for s in batch]
-        decodes = [seq for start, end, seq in chunks if end - start == 1 and start >= seq.num_prompt_tokens]
-        prefills = [(start, end) for start, end, seq in chunks
-                    if not (end - start == 1 and start >= seq.num_prompt_tokens)]
+        decodes = [seq for start, end, seq in chunks if _decodes(start, end, seq)]
+        prefills = [(start, end) for start, end, seq in chunks if not _decodes(start, end, seq)]
         record = StepRecord(
             start_time=start_time, step_time_s=step_time_s,
             num_prefill_tokens=sum(end - start for start, end in prefills),
@@ -380,3 +379,7 @@ def _is_first(seq: Sequence, new_token_ids: list[int]) -> bool:
     """The output that reports `seq`'s first token."""
     return len(seq.output_token_ids) == len(new_token_ids) == 1
 
+
+def _decodes(start: int, end: int, seq: Sequence) -> bool:
+    """A step's chunk [start, end) of `seq` is one decode token, not prompt tokens."""
+    return end - start == 1 and start >= seq.num_prompt_tokens

@@ -45,7 +45,7 @@ class RecentLoad:
 def recent_load(records: Sequence[StepRecord], now: float, window_s: float = WINDOW_S) -> RecentLoad | None:
     """Over the records of the last `window_s` (oldest first in `records`), or None with
     fewer than `MIN_STEPS` decoding steps."""
-    seq_gap = seqs = time_seqs = time_total = 0.0
+    seq_gap = seqs = time_total = 0.0  # seq_gap: the gaps x streams, both means' numerator
     steps = 0
     later: StepRecord | None = None
     for record in reversed(records):
@@ -57,10 +57,9 @@ def recent_load(records: Sequence[StepRecord], now: float, window_s: float = WIN
             if 0.0 < gap <= MAX_GAP_S:
                 seq_gap += gap * streams
                 seqs += streams
-                time_seqs += gap * streams
                 time_total += gap
                 steps += 1
         later = record
     if steps < MIN_STEPS or seqs == 0:
         return None
-    return RecentLoad(seq_gap / seqs, time_seqs / time_total, steps)
+    return RecentLoad(seq_gap / seqs, seq_gap / time_total, steps)
