@@ -232,8 +232,9 @@ def remote(req: RequestShape, p: ReplicaLoad, d: ReplicaLoad, prefill_cached: in
         gap = expected_gap_s(d) * during_x
         busy += ((prefill.seconds / gap if gap > 0 else 0.0, gap),)
     streams = _streams_tpot(d, busy, _gap_with(req, d), req)
-    host = max(_streams_tpot(p, prefill.phases, expected_gap_s(p)),
-               _queued_tpot(p, prefill.own_steps, prefill.own_step_s, expected_gap_s(p)))
+    host_gap = expected_gap_s(p)
+    host = max(_streams_tpot(p, prefill.phases, host_gap),
+               _queued_tpot(p, prefill.own_steps, prefill.own_step_s, host_gap))
     return Candidate("remote", d.replica_id, p.replica_id, Prediction(ttft, tpot, streams, tail, host),
                      num_streams=d.num_streams, host_streams=p.num_streams + p.queued_streams,
                      overdue_x=p.overdue.get("disagg", 1.0), computed_tokens=req.prompt_len - start)
