@@ -17,7 +17,9 @@ backlog there (less what the heartbeat says is computed of the prompts it names,
 within a heartbeat.
 A heartbeat is a heartbeat period old, or more, when a request is placed: the replica
 has computed part of its queue since, and `load_of(replica, now)` takes that off, at the
-pace the queue drains, for at most `MAX_HEARTBEAT_AGE_S` (`heartbeat_age`).
+pace the queue drains, for at most `MAX_HEARTBEAT_AGE_S` (`heartbeat_age`); and a prompt
+this router places on a replica with nothing left to compute starts at once, so the
+prompts it sends there drain from that moment on (`_wake`).
 A request still prefilling on another replica already counts as a stream where it will
 decode once its predicted first token is near (router/incoming.py). And a request still
 waiting for its first token past its predicted TTFT is evidence before it finishes:
@@ -130,18 +132,16 @@ class ClusterView:
         node_busy = float(self.node_busy(replica)) if base.coefficients.node_contention > 0 else 0.0
         prompt_tokens, prompt_work = self.prompts.rates(rid, now) if now is not None else (0.0, 0.0)
         done = self._computed(rid, base.prefill_progress)
-        # of its queue, computed since the heartbeat at its steps' pace beside its node's busy replicas
-        ran = share_computed(base, self.heartbeat_age(rid, now) / base.coefficients.slowdown(node_busy))
+        queue_tokens, queue_work, ran = self._queue(rid, base, since, done, node_busy, now)
         return base.evolve(
             coefficients=base.coefficients.slowed(node_busy),
-            queue_tokens=pending(base.queue_tokens, self.backlog.get(rid, 0) - done.all.tokens,
-                                 ran * base.queue_tokens, since.sent.tokens, since.done.tokens),
-            queue_work=pending(base.queue_work, self.backlog_work.get(rid, 0) - done.all.work,
-                               ran * base.queue_work, since.sent.work, since.done.work),
-            background_tokens=pending(base.background_tokens, self.background_backlog.get(rid, 0)
-                                      - done.background.tokens, ran * base.background_tokens),
-            background_work=pending(base.background_work, self.background_backlog_work.get(rid, 0)
-                                    - done.background.work, ran * base.background_work),
+            queue_tokens=queue_tokens, queue_work=queue_work,
+            background_tokens=min(queue_tokens, pending(
+                base.background_tokens, self.background_backlog.get(rid, 0) - done.background.tokens,
+                ran * base.background_tokens)),
+            background_work=min(queue_work, pending(
+                base.background_work, self.background_backlog_work.get(rid, 0) - done.background.work,
+                ran * base.background_work)),
             background_chunk_tokens=base.background_chunk_tokens or self._background_chunk(rid),
             num_streams=decoding + incoming, stream_context=int(context),
             num_requests=self.load(replica), stream_allowances=allowances,
@@ -155,6 +155,23 @@ class ClusterView:
             incoming_due_s=due_later(self.incoming.get(rid, {}).values(), now)
             if now is not None and arrival_objectives else (),
             node_id=replica.node_id, node_busy=node_busy)
+
+    def _queue(self, rid: str, base: ReplicaLoad, since: Since, done: Computed, node_busy: float,
+               now: float | None) -> tuple[int, int, float]:
+        """The prompt tokens still to compute on `rid` and their work (`pending`), and the
+        share of the reported queue computed since the heartbeat."""
+        slowdown = base.coefficients.slowdown(node_busy)
+        if since.woke_at is not None and now is not None:  # computing this router's prompts since then
+            ran = 1.0
+            ran_tokens, ran_work = _ran_since_woken(base, since, min(now - since.woke_at, MAX_HEARTBEAT_AGE_S)
+                                                    / slowdown)
+        else:
+            ran = share_computed(base, self.heartbeat_age(rid, now) / slowdown)
+            ran_tokens, ran_work = ran * base.queue_tokens, ran * base.queue_work
+        return (pending(base.queue_tokens, self.backlog.get(rid, 0) - done.all.tokens, ran_tokens,
+                        since.sent.tokens, since.done.tokens),
+                pending(base.queue_work, self.backlog_work.get(rid, 0) - done.all.work, ran_work,
+                        since.sent.work, since.done.work), ran)
 
     def heartbeat_age(self, replica_id: str, now: float | None) -> float:
         """Seconds since the replica's last heartbeat was taken (0 when unknown), at most
@@ -259,6 +276,7 @@ class ClusterView:
             key = (placement.decision.route, placement.prefill_on)
             self.waiting.setdefault(key, deque()).append(placement)
         if placement.prefill_on:
+            self._wake(placement.prefill_on, placement.placed_at)
             self.backlog[placement.prefill_on] += placement.prefill_tokens
             self.backlog_work[placement.prefill_on] += placement.prefill_work
             self._since(placement.prefill_on).sent.add(placement.prefill_tokens, placement.prefill_work)
@@ -350,6 +368,23 @@ class ClusterView:
                 if not waiting:
                     self.incoming.pop(placement.target_replica, None)
 
+    def _wake(self, replica_id: str, at: float) -> None:
+        """A prompt placed on `replica_id` at `at` (the policy's clock) with nothing left
+        to compute there starts at once: from then on, the replica computes what this
+        router sends it (`Since.woke_at`), so a prompt placed behind it counts only what
+        is left of it. Counted whole until the next heartbeat instead, a short prompt
+        queued behind another was priced as sharing a step with all of it after the
+        step that computed it had begun, and came in at three quarters of its predicted
+        TTFT (bench cluster, one short prompt ahead on an otherwise idle replica)."""
+        replica, taken_at = self.replicas.get(replica_id), self.taken_at.get(replica_id)
+        if replica is None or taken_at is None or at < taken_at:
+            return
+        base = self.heartbeat_load(replica)
+        since = self._since(replica_id)
+        queue = self._queue(replica_id, base, since, self._computed(replica_id, base.prefill_progress), 0.0, at)
+        if queue[0] == 0:
+            since.wake(at)
+
     def _background_chunk(self, replica_id: str) -> int:
         """The chunk of this router's first background prefill still waiting for its first
         token on `replica_id` (0: none, or the engine's own chunk)."""
@@ -366,6 +401,18 @@ class ClusterView:
             queue.popleft()
         if queue is not None and not queue:
             del self.waiting[key]
+
+
+def _ran_since_woken(base: ReplicaLoad, since: Since, seconds: float) -> tuple[float, float]:
+    """Prompt tokens (and work) computed on a replica `seconds` after it woke: the
+    reported queue and what this router sent before were done by then, and the prompts it
+    sent since have drained at their pace (`share_computed`)."""
+    tokens = since.sent.tokens - since.sent_before.tokens
+    work = since.sent.work - since.sent_before.work
+    share = share_computed(base.evolve(queue_tokens=tokens, queue_work=work, background_tokens=0,
+                                       background_work=0), seconds)
+    return (base.queue_tokens + since.sent_before.tokens + share * tokens,
+            base.queue_work + since.sent_before.work + share * work)
 
 
 def _prefills_elsewhere(placement: Placement) -> bool:

@@ -128,6 +128,17 @@ def current_step_s(r: ReplicaLoad, queue: Drain | None = None) -> float:
     return decode_step_s(r) if r.num_streams > 0 else 0.0
 
 
+def in_flight_wait_s(r: ReplicaLoad, queue: Drain | None = None) -> float:
+    """What a prompt placed on `r` waits, on average, for the step in flight to end before
+    its queue's steps begin: half that step where no foreground prompt is queued (a
+    decode step, or one with a background chunk); none where one is, as its queue's first
+    step is that step, already counted whole (or what is left of it) in the drain. Half a
+    step more there, a short prompt behind another came in at 0.7x its prediction."""
+    if r.queue_tokens > r.background_tokens:
+        return 0.0
+    return 0.5 * current_step_s(r, queue)
+
+
 def foreground(r: ReplicaLoad, start: int, end: int) -> Own:
     """Prompt positions [start, end) in `r`'s foreground lane, at the chunks its streams
     and the prompts queued ahead leave of the budget."""
@@ -261,7 +272,7 @@ def _on_decode_replica(kind: Kind, req: RequestShape, d: ReplicaLoad, prefill: D
     joining = d.arrival_rate * prefill.own_s + bisect.bisect_left(d.incoming_due_s, prefill.seconds)
     if not streams and joining > 0.0:  # none decode there yet: those expected to join meanwhile (`_joiner_tpot`)
         streams = _joiner_tpot(req, prefill, after)
-    ttft = prefill.seconds + 0.5 * current_step_s(d, d_queue)
+    ttft = prefill.seconds + in_flight_wait_s(d, d_queue)
     return Candidate(kind, d.replica_id, d.replica_id, Prediction(ttft, tpot, streams), chunk,
                      num_streams=d.num_streams + d.queued_streams, overdue_x=d.overdue.get("local", 1.0),
                      joining_streams=joining, computed_tokens=computed_tokens,

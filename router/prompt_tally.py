@@ -22,10 +22,18 @@ class Tally:
 @dataclass
 class Since:
     """This router's prompts on one replica since its last heartbeat: those it sent, and
-    those that got their first token."""
+    those that got their first token; and, where it sent one while nothing was left to
+    compute there, when (`woke_at`) and what it had sent before it (`sent_before`): the
+    replica has computed the prompts sent from then on since."""
 
     sent: Tally = field(default_factory=Tally)
     done: Tally = field(default_factory=Tally)
+    woke_at: float | None = None
+    sent_before: Tally = field(default_factory=Tally)
+
+    def wake(self, at: float) -> None:
+        self.woke_at = at
+        self.sent_before = Tally(self.sent.tokens, self.sent.work)
 
 
 @dataclass

@@ -102,3 +102,42 @@ def test_a_replica_slowed_by_its_busy_neighbour_drains_slower():
                      stats={**_stats(500), "step_model": model})
     view.update([d1, p1], POLICY_NOW, REGISTRY_NOW)
     assert view.load_of(view.replicas["p1"], POLICY_NOW + 0.275).queue_tokens == 375  # a quarter, not half
+
+
+def _placed(view: ClusterView, rid: str, tokens: int, at: float) -> Placement:
+    decision = RouteDecision("disagg", "slo-disagg", prediction=Prediction(1.0, 0.01))
+    placement = Placement("decode", "d1", rid, decision, 0, prefill_on=rid, prefill_tokens=tokens,
+                          placed_at=at, request_id=f"r{at}")
+    view.begin(placement)
+    return placement
+
+
+def test_a_prompt_placed_on_an_idle_replica_is_computed_from_then_on():
+    """Nothing was left to compute there: its first step starts at once, so a prompt
+    placed behind it counts only what is left of it, not all of it until the next heartbeat."""
+    view, p1 = _view(0, 0.0)
+    _placed(view, "p1", 300, POLICY_NOW + 0.1)  # 3 steps of 0.11 s
+    assert view.load_of(p1, POLICY_NOW + 0.1).queue_tokens == 300
+    assert view.load_of(p1, POLICY_NOW + 0.265).queue_tokens == 150
+    assert view.load_of(p1, POLICY_NOW + 0.5).queue_tokens == 0
+
+
+def test_prompts_placed_behind_it_drain_after_it():
+    view, p1 = _view(0, 0.0)
+    _placed(view, "p1", 300, POLICY_NOW)
+    _placed(view, "p1", 200, POLICY_NOW + 0.11)  # behind a third of the first: no new start
+    assert view.load_of(p1, POLICY_NOW + 0.22).queue_tokens == 300  # 200 of the 500 computed
+
+
+def test_a_prompt_placed_on_a_busy_replica_starts_no_clock():
+    view, p1 = _view(500, 0.0)
+    _placed(view, "p1", 300, POLICY_NOW)
+    assert view.load_of(p1, POLICY_NOW + 0.275).queue_tokens == 250 + 300  # the reported queue drains first
+
+
+def test_the_next_heartbeat_takes_over_from_the_start():
+    view, p1 = _view(0, 0.0)
+    _placed(view, "p1", 300, POLICY_NOW)
+    p1 = ReplicaInfo("p1", "prefill", last_heartbeat=REGISTRY_NOW + 0.2, stats=_stats(100))
+    view.update([view.replicas["d1"], p1], POLICY_NOW + 0.2, REGISTRY_NOW + 0.2)
+    assert view.load_of(view.replicas["p1"], POLICY_NOW + 0.2).queue_tokens == 300  # own backlog floors it
