@@ -88,7 +88,8 @@ def _load(r: ReplicaLoad) -> dict[str, Any]:
             "recent_gap_ms": _ms(r.recent_gap_s),
             "node_busy": r.node_busy, "arrival_rate": round(r.arrival_rate, 3),
             "prompt_token_rate": round(r.prompt_token_rate, 1),
-            "incoming_due_ms": [round(a * 1e3, 3) for a in r.incoming_due_s]}
+            "incoming_due_ms": [round(a * 1e3, 3) for a in r.incoming_due_s],
+            "transfer_waiting_ms": {peer: round(s * 1e3, 3) for peer, s in r.transfer_waiting.items()}}
 
 
 def _alternative(a: Alternative) -> dict[str, Any]:

@@ -12,7 +12,8 @@ prefill: the foreground and background prompts drain side by side
 candidate:
 
 - `remote`: the prompt prefills on a prefill replica behind its queue, the KV's exposed
-  transfer tail follows. The decode replica takes part at two step boundaries (it
+  transfer tail follows (at least what a transfer to the same decode replica still
+  unacknowledged has waited: `ReplicaLoad.tail_to`). The decode replica takes part at two step boundaries (it
   reserves the KV blocks before the prefill starts and commits them once they are
   written) and reports the first token with the step after, so a decode replica busy
   with long prompt chunks adds about two of its steps. A request run whole on the
@@ -232,8 +233,7 @@ def remote(req: RequestShape, p: ReplicaLoad, d: ReplicaLoad, prefill_cached: in
     start = _start(req, prefill_cached)
     prefill = drain(p, foreground(p, start, req.prompt_len))
     num_bytes = max(0, req.prompt_len - _start(req, decode_cached)) * d.kv_bytes_per_token
-    link = p.transfer_to(d.address)
-    tail = link.fixed_s + num_bytes / link.bytes_per_s
+    tail = p.tail_to(d.address, num_bytes)
     after = decode_step_s(d, req.num_sequences * req.decode_cost, req.num_sequences * req.prompt_len)
     # half a step to reserve, half to commit, one to report the first token
     ttft = prefill.seconds + tail + 2.0 * max(current_step_s(d, d_queue) * during_x, 0.5 * after)

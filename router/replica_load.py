@@ -49,6 +49,10 @@ class ReplicaLoad:
     address: str | None = None  # the advertised KV transport address (a transfer's peer)
     # prefill replicas: the exposed transfer tail per decode peer address, "*" for any
     transfers: dict[str, TransferCoefficients] = field(default_factory=dict)
+    # prefill replicas: per decode peer address, how long the transfer there that has waited
+    # longest for its acknowledgement since its prompt was computed had waited, at the
+    # heartbeat (`workers/transfer_waits.py`); absent: none waits
+    transfer_waiting: dict[str, float] = field(default_factory=dict)
     # the mean gap between tokens its streams saw lately and their mean batch then
     # (`workers/engine/recent_load.py`); None: too few decoding steps lately
     recent_gap_s: float | None = None
@@ -109,6 +113,12 @@ class ReplicaLoad:
     def transfer_to(self, peer: str | None) -> TransferCoefficients:
         return self.transfers.get(peer or "") or self.transfers.get("*") or DEFAULT_TRANSFER
 
+    def tail_to(self, peer: str | None, num_bytes: float) -> float:
+        """A transfer's exposed tail to `peer`: the learned cost of `num_bytes`, and at
+        least what a transfer there still unacknowledged has already waited."""
+        link = self.transfer_to(peer)
+        return max(link.fixed_s + num_bytes / link.bytes_per_s, self.transfer_waiting.get(peer or "", 0.0))
+
 
 _FIELD_NAMES = frozenset(f.name for f in fields(ReplicaLoad))
 
@@ -133,6 +143,7 @@ def from_stats(replica_id: str, role: str, stats: dict, address: str | None = No
         stream_tokens_left=left,
         num_requests=int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0)),
         kv_bytes_per_token=int(stats.get("kv_bytes_per_token", 0)), address=address, transfers=transfers,
+        transfer_waiting=_waits(stats.get("transfer_waiting_s")),
         recent_gap_s=_positive(stats.get("recent_stream_gap_s")),
         recent_decode_seqs=float(stats.get("recent_decode_seqs", 0.0) or 0.0),
         prefill_progress=_progress(stats.get("prefill_progress")))
@@ -148,3 +159,9 @@ def _progress(report) -> dict[str, tuple[int, int]]:
 
 def _positive(value) -> float | None:
     return float(value) if isinstance(value, (int, float)) and value > 0 else None
+
+
+def _waits(value: object) -> dict[str, float]:
+    if not isinstance(value, dict):
+        return {}
+    return {str(peer): float(s) for peer, s in value.items() if isinstance(s, (int, float)) and s > 0}

@@ -136,3 +136,21 @@ def test_kv_the_decode_replica_caches_is_not_sent():
     arrivals = [Arrival(0.0, spec(0, 400, 4, shared_prefix=prefix)), Arrival(1.0, spec(1, 400, 4, shared_prefix=prefix))]
     sim.run(arrivals)
     assert sim.network.bytes_sent == 400 * kv_bytes + (400 - 320) * kv_bytes
+
+
+def test_a_prefill_replica_reports_its_transfer_waiting_as_a_real_one_does():
+    """Its heartbeats carry how long the KV of a computed prompt has been on its way (the
+    router prices that link by it, as from a real prefill replica), and nothing once it
+    arrived."""
+    cal = calibration(fixed_s=0.002, prefill_token_s=2e-5, decode_seq_s=1e-4, transfer_fixed_s=0.003,
+                      bytes_per_s=512 * 4096 / 2.0, kv_bytes_per_token=4096)  # the KV takes 2 s
+    sim = Simulation(SimConfig(num_prefill=1, num_decode=1, profiles=DISAGG), cal)
+    beats: list[dict] = []
+    heartbeat = sim.router.heartbeat
+    sim.router.heartbeat = lambda rid, role, node, stats, now: (
+        beats.append(stats["transfer_waiting_s"]) if role == "prefill" else None,
+        heartbeat(rid, role, node, stats, now))
+    sim.run(at_once([(512, 2)]), None)
+    waits = [max(b.values()) for b in beats if b]
+    assert waits and 1.0 < max(waits) <= 2.01, beats
+    assert all(w.longest() == {} for w in sim.transfer_waits.values())  # arrived: none waits

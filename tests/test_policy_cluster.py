@@ -106,3 +106,28 @@ def test_auto_shifts_away_from_a_slowed_kv_path_and_back(app):
     assert before.count("disagg") >= 7, before
     assert during[-7:].count("local") >= 6, during
     assert "disagg" in after[-4:], after
+
+
+def test_a_prefill_replica_reports_a_transfer_still_waiting_for_its_acknowledgement(app):
+    """Its heartbeat says how long a computed prompt's KV has waited on a slowed link, so
+    the router prices that link slow before the transfer's record exists."""
+    from ray import serve
+
+    prefill = serve.get_deployment_handle("PrefillWorker", APP)
+    _set_delay(1.5)  # the tiny model's two layers: 3 s
+    sent = threading.Thread(target=lambda: app.post(
+        "/v1/completions", json={"prompt": [7] * 64, "max_tokens": 2, "temperature": 0},
+        headers={"x-pd-mode": "disagg"}))
+    sent.start()
+    waits: list[float] = []
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not (waits and waits[-1] > 1.0):
+            waits.append(max(prefill.stats.remote().result(timeout_s=30).get("transfer_waiting_s", {}).values(),
+                             default=0.0))
+            time.sleep(0.2)
+    finally:
+        _set_delay(0.0)
+        sent.join(30)
+    assert waits[-1] > 1.0, waits
+    assert prefill.stats.remote().result(timeout_s=30)["transfer_waiting_s"] == {}  # acknowledged since

@@ -20,6 +20,7 @@ from workers.engine_worker import EngineWorker
 from workers.faults import wrap_sender
 from workers.kv_transport import make_sender
 from workers.protocol import PrefillRequest, PrefillResult
+from workers.transfer_waits import TransferWaits
 
 log = logging.getLogger("pdcluster.prefill")
 
@@ -32,6 +33,7 @@ class PrefillWorker(EngineWorker):
         self.sender = wrap_sender(make_sender(self.config, transport_key), self.faults)  # as is unless faults.enabled
         # learns from the sender's records in stats(), forgetting samples older than the router's setting
         self.transfer_tails = TransferTails(self.replica_id, max_age_s=self.config.router.transfer_cost_max_age_s)
+        self.transfer_waits = TransferWaits()  # computed, not yet acknowledged: a slow link before its records
         self.start_heartbeat()
 
     async def stats(self) -> dict:
@@ -44,6 +46,7 @@ class PrefillWorker(EngineWorker):
                          export_buffers_fallback_total=p["num_fallbacks"])
         self.transfer_tails.learn(getattr(self.sender, "transfer_records", ()))
         stats["transfer_model"] = self.transfer_tails.to_dict()  # per decode peer address, "*" pooled
+        stats["transfer_waiting_s"] = self.transfer_waits.longest()  # per decode peer address
         return stats
 
     def stream_methods(self) -> dict:
@@ -65,7 +68,11 @@ class PrefillWorker(EngineWorker):
                                 start_block=req.start_block, timeout=req.timeout_s)
         request_id = self.engine.new_request_id(req.request_id)
         num_cached, prompt_logprobs = await self._run_prompt(request_id, req, sink)
-        await sink.wait_async()
+        self.transfer_waits.computed(req.transfer_id, req.decode_address)
+        try:
+            await sink.wait_async()
+        finally:
+            self.transfer_waits.acknowledged(req.transfer_id)
         seconds = time.perf_counter() - start
         num_blocks = layout.num_blocks(len(req.prompt_token_ids)) - req.start_block
         num_bytes = layout.layer_nbytes(max(num_blocks, 0)) * layout.num_layers

@@ -25,8 +25,9 @@ from cluster.plan.sim.events import EventQueue
 from cluster.plan.sim.network import Network
 from cluster.plan.sim.node_load import NodeStreams
 from cluster.plan.sim.result import SimRequest, SimResult, utilisation
-from cluster.plan.sim.router_model import SimRouter
+from cluster.plan.sim.router_model import SimRouter, address_of
 from cluster.plan.sim.sequence import SimSeq
+from workers.transfer_waits import TransferWaits
 
 
 def simulate(config: SimConfig, calibration: Calibration, arrivals: Sequence[Arrival],
@@ -56,6 +57,9 @@ class Simulation:
         self._wire_nodes()
         self.requests: list[SimRequest] = []
         self.num_done = 0
+        # per prefill replica: its transfers sent and not yet arrived, as its heartbeat reports them
+        self.transfer_waits = {rid: TransferWaits(lambda: self.events.now) for rid, role in config.replica_ids()
+                               if role == "prefill"}
 
     def _wire_nodes(self) -> None:
         """Each engine learns the other engines of its node (their busy steps slow its own)
@@ -91,8 +95,11 @@ class Simulation:
         self.events.schedule(start + self.config.poll_interval_s, self._poll)
 
     def _heartbeat(self, engine: SimEngine, now: float) -> None:
-        self.router.heartbeat(engine.replica_id, engine.role, self.nodes[engine.replica_id],
-                                engine.stats(now), now)
+        stats = engine.stats(now)
+        waits = self.transfer_waits.get(engine.replica_id)
+        if waits is not None:
+            stats["transfer_waiting_s"] = waits.longest()
+        self.router.heartbeat(engine.replica_id, engine.role, self.nodes[engine.replica_id], stats, now)
 
     def _beat(self, engine: SimEngine, now: float) -> None:
         self._heartbeat(engine, now)
@@ -147,7 +154,11 @@ class Simulation:
         engine = self.engines[target]
         request.token_steps = [engine.step_ends, decode_seq.segments]
 
+        waits = self.transfer_waits[source]
+        waits.computed(request.request_id, address_of(target))
+
         def arrived(t: float) -> None:
+            waits.acknowledged(request.request_id)
             engine.cache.insert(placement.hashes)
             engine.import_kv(decode_seq, t)
 
