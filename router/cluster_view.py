@@ -276,7 +276,7 @@ class ClusterView:
             key = (placement.decision.route, placement.prefill_on)
             self.waiting.setdefault(key, deque()).append(placement)
         if placement.prefill_on:
-            self._wake(placement.prefill_on, placement.placed_at)
+            self._wake(placement.prefill_on, placement.placed_at, placement.decision.yield_prefill)
             self.backlog[placement.prefill_on] += placement.prefill_tokens
             self.backlog_work[placement.prefill_on] += placement.prefill_work
             self._since(placement.prefill_on).sent.add(placement.prefill_tokens, placement.prefill_work)
@@ -368,19 +368,25 @@ class ClusterView:
                 if not waiting:
                     self.incoming.pop(placement.target_replica, None)
 
-    def _wake(self, replica_id: str, at: float) -> None:
+    def _wake(self, replica_id: str, at: float, background: bool) -> None:
         """A prompt placed on `replica_id` at `at` (the policy's clock) with nothing left
         to compute there starts at once: from then on, the replica computes what this
         router sends it (`Since.woke_at`), so a prompt placed behind it counts only what
         is left of it. Counted whole until the next heartbeat instead, a short prompt
         queued behind another was priced as sharing a step with all of it after the
         step that computed it had begun, and came in at three quarters of its predicted
-        TTFT (bench cluster, one short prompt ahead on an otherwise idle replica)."""
+        TTFT (bench cluster, one short prompt ahead on an otherwise idle replica).
+        Foreground prompts only: a background prefill drains a small chunk a step, which
+        that pace (full-budget chunks) would take for done many steps early, so one
+        placed there stops the clock until the next heartbeat."""
         replica, taken_at = self.replicas.get(replica_id), self.taken_at.get(replica_id)
         if replica is None or taken_at is None or at < taken_at:
             return
-        base = self.heartbeat_load(replica)
         since = self._since(replica_id)
+        if background:
+            since.woke_at = None
+            return
+        base = self.heartbeat_load(replica)
         queue = self._queue(replica_id, base, since, self._computed(replica_id, base.prefill_progress), 0.0, at)
         if queue[0] == 0:
             since.wake(at)

@@ -141,3 +141,17 @@ def test_the_next_heartbeat_takes_over_from_the_start():
     p1 = ReplicaInfo("p1", "prefill", last_heartbeat=REGISTRY_NOW + 0.2, stats=_stats(100))
     view.update([view.replicas["d1"], p1], POLICY_NOW + 0.2, REGISTRY_NOW + 0.2)
     assert view.load_of(view.replicas["p1"], POLICY_NOW + 0.2).queue_tokens == 300  # own backlog floors it
+
+
+def test_a_background_prefill_starts_no_clock_and_stops_one():
+    """It drains a small chunk a step: at the full-budget pace it would look done early."""
+    view, p1 = _view(0, 0.0)
+    decision = RouteDecision("local", "protect-streams", prediction=Prediction(1.0, 0.01), yield_prefill=True)
+    view.begin(Placement("decode", "p1", "p1", decision, 0, prefill_on="p1", prefill_tokens=300,
+                         placed_at=POLICY_NOW, request_id="bg"))
+    assert view.load_of(p1, POLICY_NOW + 0.165).queue_tokens == 300
+    view, p1 = _view(0, 0.0)
+    _placed(view, "p1", 300, POLICY_NOW)
+    view.begin(Placement("decode", "p1", "p1", decision, 0, prefill_on="p1", prefill_tokens=300,
+                         placed_at=POLICY_NOW + 0.01, request_id="bg"))
+    assert view.load_of(p1, POLICY_NOW + 0.165).queue_tokens == 600  # counted whole again until the heartbeat
