@@ -12,6 +12,7 @@ from router import metrics
 from router.admin import check_admin, parse_profile
 from router.control_plane import ControlPlaneCore
 from router.errors import APIError
+from tests.fake_clock import FakeClock
 
 # ---- metrics -----------------------------------------------------------------------
 
@@ -38,16 +39,8 @@ def test_metrics_merge_sums_counters_keeps_gauges_apart():
 # ---- control plane -----------------------------------------------------------------
 
 
-class Clock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
-
-
 def test_control_plane_profiles_versions_and_registry():
-    clock = Clock()
+    clock = FakeClock()
     cp = ControlPlaneCore({"rag": {"mode": "disagg"}}, heartbeat_timeout_s=3.0, clock=clock)
     state = cp.get_state(None)
     assert set(state.profiles) == {"rag", "default"}
@@ -70,7 +63,7 @@ def test_control_plane_profiles_versions_and_registry():
 
 
 def test_control_plane_keeps_counters_of_forgotten_sources():
-    clock = Clock()
+    clock = FakeClock()
     cp = ControlPlaneCore({}, clock=clock)
     m = metrics.RouterMetrics("tiny")
     m.record_route("disagg", "long-prompt", "default")
@@ -81,7 +74,7 @@ def test_control_plane_keeps_counters_of_forgotten_sources():
 
 
 def test_control_plane_names_the_sources_behind_a_moment():
-    clock = Clock()
+    clock = FakeClock()
     cp = ControlPlaneCore({}, clock=clock)
     cp.register("d1", "decode")
     cp.heartbeat("d1", {}, "# TYPE x counter\nx_total 1\n")

@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.fake_clock import FakeClock
 from transport.export_pool import MIN_POOLED_BYTES, NO_LEASE, ExportPool, SinkLender, size_class
 from workers.engine.kv_cache import copy_from_blocks
 
@@ -153,16 +154,6 @@ def test_an_export_buffer_of_the_wrong_size_is_refused():
         copy_from_blocks(layer, [0, 1], out=torch.empty(2 * 2 * 4 * 2 * 8 * 4 + 4, dtype=torch.uint8))
     with pytest.raises(ValueError):
         copy_from_blocks(layer, [0, 1], out=torch.empty(2 * 2 * 4 * 2 * 8, dtype=torch.float32))
-
-
-class FakeClock:
-    """Seconds that pass only when the test says so: idle periods without sleeping."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_a_buffer_free_past_the_idle_period_is_dropped_on_the_next_lend():

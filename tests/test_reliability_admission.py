@@ -10,6 +10,7 @@ import pytest
 from router.admission import Admission, TokenBucket, hold_until_sent
 from router.errors import APIError
 from router.tenants import Quota, Tenants
+from tests.fake_clock import FakeClock
 
 KEYS = {
     "keys": {
@@ -21,14 +22,6 @@ KEYS = {
                 "nightly": {"concurrency": 2, "priority": "batch"}},
     "default": {"concurrency": 3},
 }
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_keys_file_quotas_and_defaults():
@@ -66,7 +59,7 @@ def run(coro):
 
 
 def test_rate_limit_is_429_with_retry_after():
-    clock = Clock()
+    clock = FakeClock(100.0)
 
     async def go():
         adm = Admission(Tenants.parse(KEYS), 100, 10, 5.0, clock)
@@ -158,7 +151,7 @@ def test_every_429_is_counted_by_tenant_and_code():
     m = RouterMetrics("tiny")
 
     async def go():
-        adm = Admission(Tenants.parse(KEYS), 2, 0, 5.0, Clock(), observer=m)
+        adm = Admission(Tenants.parse(KEYS), 2, 0, 5.0, FakeClock(100.0), observer=m)
         for _ in range(2):
             (await adm.acquire("solo")).release()
         held = [await adm.acquire("nightly") for _ in range(2)]  # its quota, and every slot

@@ -10,6 +10,7 @@ import pytest
 from router import predict
 from router.candidate import RequestShape
 from router.replica_load import ReplicaLoad, from_stats
+from tests.fake_clock import FakeClock
 from workers.engine.cost_model import StepCoefficients
 from workers.transfer_waits import TransferWaits
 
@@ -17,16 +18,8 @@ MODEL = StepCoefficients(fixed_s=0.01, prefill_token_s=0.001, prefill_attention_
                          decode_context_s=0.0)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_the_longest_wait_per_peer_until_acknowledged():
-    clock = Clock()
+    clock = FakeClock(100.0)
     waits = TransferWaits(clock)
     assert waits.longest() == {}
     waits.computed("t1", "d1:5555")
