@@ -4,7 +4,7 @@
 replica (shortest queue), asks the routing policy (router/policy.py), and may send a
 local request whole to the prefill replica, so that no hardware idles while the decode
 replica is the busier one: `auto` prices that beside the requests already run whole
-there, while the prefill replica computes no prompt (it then decodes too, as long as
+there, while the prefill replica computes no remote prefill (it then decodes too, as long as
 that serves the SLOs best); the fixed rules take it only while it is idle. It reads the
 view and changes nothing; the caller records the request with
 `ClusterView.begin(placement)` when it sends it.
@@ -241,29 +241,38 @@ def _offers_whole(view: ClusterView, prefill: ReplicaInfo, decode: ReplicaInfo, 
                   decode_hit_blocks: int, priced: bool, prompt_len: int, max_tokens: int, work: RequestWork) -> bool:
     """The prefill replica may run a local request whole where the decode replica would
     not have saved more prompt work from its cache: under `auto` (`priced`), which weighs
-    it beside the requests already run whole there, while it computes no prompt and has
-    room for it; under the fixed rules only while it is idle and the decode replica is not.
+    it beside the requests already run whole there, while it computes no remote prefill
+    and has room for it; under the fixed rules only while it is idle and the decode
+    replica is not.
 
-    Not beside a prompt it computes: there the request queues behind a remote prefill
-    whose chunks then stall it, and the remote prefills queue behind it in turn, which
-    the predictions caught badly. Against the idle-only offer, over 18 simulated
-    `bench cluster` mixed traces (792 requests a cell), offering it whatever the replica
+    Not beside a remote prefill: there the request queues behind a prompt whose chunks
+    then stall it, and the remote prefills queue behind it in turn, which the
+    predictions caught badly. Against the idle-only offer, over 18 simulated `bench
+    cluster` mixed traces (792 requests a cell), offering it whatever the replica
     computed gained 50 good requests in the tight-TTFT cell but lost 11 in the balanced
-    and 10 in the tight-TPOT one; offered as here: +28 tight-TTFT, +25 tight-TPOT, +16
-    tight, -6 balanced, -3 loose."""
+    and 10 in the tight-TPOT one. Beside prompts that are themselves run whole there
+    (a short prompt 30 ms behind another, which took the idle replica first, was left
+    to queue behind a long prompt on the decode replica and missed a tight TTFT), over
+    120 simulated mixed traces under four runs' calibrations (5,280 requests a cell),
+    offering it there too gained 75 in tight-TTFT, 25 in balanced, 24 in tight-TPOT, 6
+    in tight and 1 in loose."""
     hit = view.index.num_matched_blocks(prefill.replica_id, hashes)
     if hit < decode_hit_blocks:
         return False
     if priced:
-        return _computes_no_prompt(view, prefill) and _has_room(view, prefill, prompt_len, max_tokens, hit,
-                                                                  work.num_sequences)
+        return _computes_no_remote_prefill(view, prefill) and _has_room(view, prefill, prompt_len, max_tokens, hit,
+                                                                          work.num_sequences)
     return view.load(prefill) == 0 and view.load(decode) > 0
 
 
-def _computes_no_prompt(view: ClusterView, replica: ReplicaInfo) -> bool:
-    """No prompt this router sent there waits for its first token, and its last heartbeat
-    had none waiting (another router's)."""
-    return view.backlog.get(replica.replica_id, 0) == 0 and view.heartbeat_load(replica).queue_tokens == 0
+def _computes_no_remote_prefill(view: ClusterView, replica: ReplicaInfo) -> bool:
+    """No remote prefill this router sent there waits for its first token, and its last
+    heartbeat had no more prompt tokens waiting than this router's own requests run
+    whole there (another router's could be remote prefills)."""
+    rid = replica.replica_id
+    if any(not p.first_token for p in view.waiting.get(("disagg", rid), ())):
+        return False
+    return view.heartbeat_load(replica).queue_tokens <= view.backlog.get(rid, 0)
 
 
 def _whole_on(view: ClusterView, prefill: ReplicaInfo, hashes: list[int], hits: list[int], prompt_ids: list[int],

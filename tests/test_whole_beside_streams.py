@@ -121,3 +121,18 @@ def test_coefficients_behind_the_table():
     """The arithmetic the tests above lean on."""
     assert predict.decode_step_s(replica("d1", **_streams(8)), extra_seqs=1) == pytest.approx(0.0095)
     assert COEFFS.decode_seq_s == 5e-4
+
+
+def test_a_prefill_replica_computing_only_prompts_run_whole_there_is_offered():
+    """A short prompt that took the idle prefill replica first leaves it computing only a
+    prompt that decodes there too: the next one may still run whole beside it (it was
+    left to queue behind a long prompt on the decode replica instead)."""
+    view = ClusterView(block_size=16, max_num_seqs=8)
+    view.update([ReplicaInfo("d1", "decode", healthy=True, stats={}),
+                 ReplicaInfo("p1", "prefill", healthy=True, stats={})])
+    view.begin(place(view, [1] * 40, 16, WorkloadProfile(mode="local"), None, offload_to_prefill=False))
+    first = place(view, [3] * 40, 16, WorkloadProfile(mode="local"), None)
+    assert first.deployment == "prefill"  # p1 was idle: run whole there, its prompt not computed yet
+    view.begin(first)
+    assert place(view, [4] * 40, 16, WorkloadProfile(mode="auto"), None, inputs=PolicyInputs(now=0.01),
+                 keep_context=True).context.whole is not None
