@@ -19,7 +19,7 @@ A heartbeat is a heartbeat period old, or more, when a request is placed: the re
 has computed part of its queue since, and `load_of(replica, now)` takes that off, at the
 pace the queue drains, for at most `MAX_HEARTBEAT_AGE_S` (`heartbeat_age`); and a prompt
 this router places on a replica with nothing left to compute starts at once, so the
-prompts it sends there drain from that moment on (`_wake`).
+prompts it sends there drain from that moment on (router/replica_queue.py).
 A request still prefilling on another replica already counts as a stream where it will
 decode once its predicted first token is near (router/incoming.py). And a request still
 waiting for its first token past its predicted TTFT is evidence before it finishes:
@@ -39,15 +39,14 @@ from router.arrival_rate import ArrivalRate
 from router.incoming import due_later, due_soon
 from router.overdue import overdue
 from router.prefix_index import PrefixIndex
-from router.prompt_tally import Computed, Since, pending
-from router.queue_drain import share_computed
+from router.prompt_tally import Since, pending
 from router.replica_info import ReplicaInfo
 from router.replica_load import DEFAULT_CHUNK_TOKENS, ReplicaLoad, from_stats
+from router.replica_queue import MAX_HEARTBEAT_AGE_S, computed, queue_of, wake
 
 if TYPE_CHECKING:
     from router.placement import Placement
 
-MAX_HEARTBEAT_AGE_S = 1.0  # two heartbeat periods (`heartbeat_age`)
 
 
 class ClusterView:
@@ -131,8 +130,8 @@ class ClusterView:
         queued = self.queued_here(rid)
         node_busy = float(self.node_busy(replica)) if base.coefficients.node_contention > 0 else 0.0
         prompt_tokens, prompt_work = self.prompts.rates(rid, now) if now is not None else (0.0, 0.0)
-        done = self._computed(rid, base.prefill_progress)
-        queue_tokens, queue_work, ran = self._queue(rid, base, since, done, node_busy, now)
+        done = computed(self, rid, base.prefill_progress)
+        queue_tokens, queue_work, ran = queue_of(self, rid, base, since, done, node_busy, now)
         return base.evolve(
             coefficients=base.coefficients.slowed(node_busy),
             queue_tokens=queue_tokens, queue_work=queue_work,
@@ -155,23 +154,6 @@ class ClusterView:
             incoming_due_s=due_later(self.incoming.get(rid, {}).values(), now)
             if now is not None and arrival_objectives else (),
             node_id=replica.node_id, node_busy=node_busy)
-
-    def _queue(self, rid: str, base: ReplicaLoad, since: Since, done: Computed, node_busy: float,
-               now: float | None) -> tuple[int, int, float]:
-        """The prompt tokens still to compute on `rid` and their work (`pending`), and the
-        share of the reported queue computed since the heartbeat."""
-        slowdown = base.coefficients.slowdown(node_busy)
-        if since.woke_at is not None and now is not None:  # computing this router's prompts since then
-            ran = 1.0
-            ran_tokens, ran_work = _ran_since_woken(base, since, min(now - since.woke_at, MAX_HEARTBEAT_AGE_S)
-                                                    / slowdown)
-        else:
-            ran = share_computed(base, self.heartbeat_age(rid, now) / slowdown)
-            ran_tokens, ran_work = ran * base.queue_tokens, ran * base.queue_work
-        return (pending(base.queue_tokens, self.backlog.get(rid, 0) - done.all.tokens, ran_tokens,
-                        since.sent.tokens, since.done.tokens),
-                pending(base.queue_work, self.backlog_work.get(rid, 0) - done.all.work, ran_work,
-                        since.sent.work, since.done.work), ran)
 
     def heartbeat_age(self, replica_id: str, now: float | None) -> float:
         """Seconds since the replica's last heartbeat was taken (0 when unknown), at most
@@ -276,10 +258,10 @@ class ClusterView:
             key = (placement.decision.route, placement.prefill_on)
             self.waiting.setdefault(key, deque()).append(placement)
         if placement.prefill_on:
-            self._wake(placement.prefill_on, placement.placed_at, placement.decision.yield_prefill)
+            wake(self, placement.prefill_on, placement.placed_at, placement.decision.yield_prefill)
             self.backlog[placement.prefill_on] += placement.prefill_tokens
             self.backlog_work[placement.prefill_on] += placement.prefill_work
-            self._since(placement.prefill_on).sent.add(placement.prefill_tokens, placement.prefill_work)
+            self.since_of(placement.prefill_on).sent.add(placement.prefill_tokens, placement.prefill_work)
             self.prompts.add(placement.prefill_on, placement.placed_at, placement.prefill_tokens,
                              placement.prefill_work)
             if placement.decision.yield_prefill:
@@ -294,24 +276,7 @@ class ClusterView:
             if placement.tpot_slo_s:
                 self.slo_streams.setdefault(placement.target_replica, {})[id(placement)] = placement
 
-    def _computed(self, replica_id: str, progress: dict[str, tuple[int, int]]) -> Computed:
-        """Of this router's prompts still waiting for their first token on `replica_id`,
-        what its last heartbeat says is computed already (`ReplicaLoad.prefill_progress`).
-        The backlog counts each prompt whole until its first token: without this, a prompt
-        nine tenths computed still counted whole, and a long remote prefill behind it was
-        predicted a second late."""
-        done = Computed()
-        if not progress:
-            return done
-        for route in ("disagg", "local"):
-            for p in self.waiting.get((route, replica_id), ()):
-                left = progress.get(p.request_id) if p.request_id and not p.first_token else None
-                if left is not None:
-                    done.add(max(0, p.prefill_tokens - left[0]), max(0, p.prefill_work - left[1]),
-                             p.decision.yield_prefill)
-        return done
-
-    def _since(self, replica_id: str) -> Since:
+    def since_of(self, replica_id: str) -> Since:
         return self.since.setdefault(replica_id, Since())
 
     def end(self, placement: Placement) -> None:
@@ -359,7 +324,7 @@ class ClusterView:
             if placement.decision.yield_prefill:
                 _decrement(self.background_backlog, placement.prefill_on, placement.prefill_tokens)
                 _decrement(self.background_backlog_work, placement.prefill_on, placement.prefill_work)
-            self._since(placement.prefill_on).done.add(placement.prefill_tokens, placement.prefill_work)
+            self.since_of(placement.prefill_on).done.add(placement.prefill_tokens, placement.prefill_work)
         if placement.target_replica:
             _decrement(self.awaiting_first, placement.target_replica, placement.num_sequences)
             if _prefills_elsewhere(placement):
@@ -367,29 +332,6 @@ class ClusterView:
                 waiting.pop(id(placement), None)
                 if not waiting:
                     self.incoming.pop(placement.target_replica, None)
-
-    def _wake(self, replica_id: str, at: float, background: bool) -> None:
-        """A prompt placed on `replica_id` at `at` (the policy's clock) with nothing left
-        to compute there starts at once: from then on, the replica computes what this
-        router sends it (`Since.woke_at`), so a prompt placed behind it counts only what
-        is left of it. Counted whole until the next heartbeat instead, a short prompt
-        queued behind another was priced as sharing a step with all of it after the
-        step that computed it had begun, and came in at three quarters of its predicted
-        TTFT (bench cluster, one short prompt ahead on an otherwise idle replica).
-        Foreground prompts only: a background prefill drains a small chunk a step, which
-        that pace (full-budget chunks) would take for done many steps early, so one
-        placed there stops the clock until the next heartbeat."""
-        replica, taken_at = self.replicas.get(replica_id), self.taken_at.get(replica_id)
-        if replica is None or taken_at is None or at < taken_at:
-            return
-        since = self._since(replica_id)
-        if background:
-            since.woke_at = None
-            return
-        base = self.heartbeat_load(replica)
-        queue = self._queue(replica_id, base, since, self._computed(replica_id, base.prefill_progress), 0.0, at)
-        if queue[0] == 0:
-            since.wake(at)
 
     def _background_chunk(self, replica_id: str) -> int:
         """The chunk of this router's first background prefill still waiting for its first
@@ -407,18 +349,6 @@ class ClusterView:
             queue.popleft()
         if queue is not None and not queue:
             del self.waiting[key]
-
-
-def _ran_since_woken(base: ReplicaLoad, since: Since, seconds: float) -> tuple[float, float]:
-    """Prompt tokens (and work) computed on a replica `seconds` after it woke: the
-    reported queue and what this router sent before were done by then, and the prompts it
-    sent since have drained at their pace (`share_computed`)."""
-    tokens = since.sent.tokens - since.sent_before.tokens
-    work = since.sent.work - since.sent_before.work
-    share = share_computed(base.evolve(queue_tokens=tokens, queue_work=work, background_tokens=0,
-                                       background_work=0), seconds)
-    return (base.queue_tokens + since.sent_before.tokens + share * tokens,
-            base.queue_work + since.sent_before.work + share * work)
 
 
 def _prefills_elsewhere(placement: Placement) -> bool:

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import pytest
 
+from cluster.config import SLO
 from router import predict
 from router.candidate import RequestShape
 from router.replica_load import ReplicaLoad, from_stats
+from router.routing import decide
 from tests.fake_clock import FakeClock
+from tests.test_auto_policy import BUSY_STREAMS, ctx, replica
 from workers.engine.cost_model import StepCoefficients
 from workers.transfer_waits import TransferWaits
 
@@ -55,3 +58,14 @@ def test_a_remote_prefill_takes_at_least_the_tail_already_waited_on_its_peer():
     assert slow.transfer_s == 3.0
     assert slow.ttft_s == pytest.approx(fast.ttft_s + 3.0 - fast.transfer_s)
     assert other == fast  # a wait on another peer's link says nothing of this one's
+
+
+def test_auto_prefills_beside_the_streams_rather_than_down_a_link_still_waiting():
+    """Remote keeps the streams' tight TPOT; with a transfer to their replica waiting 3 s
+    unacknowledged, it would miss the TTFT objective, and the prompt prefills beside them."""
+    slo = SLO(ttft_ms=2000, tpot_ms=12)
+    fast = decide(ctx(decode=replica("d1", **BUSY_STREAMS), slo=slo))
+    slow = decide(ctx(decode=replica("d1", **BUSY_STREAMS), slo=slo,
+                      prefills=(replica("p1", "prefill", transfer_waiting={"tcp://d1": 3.0}),)))
+    assert (fast.route, fast.candidate.kind) == ("disagg", "remote")
+    assert (slow.route, slow.reason, slow.candidate.kind) == ("local", "protect-streams", "background")

@@ -1,0 +1,95 @@
+"""What is still to compute on a replica, as a router's `ClusterView` reckons it.
+
+A replica's last heartbeat reports its queue (prompt tokens and their attention work,
+and how far each partly computed prompt has got); the view adds the prompts this router
+sent it since and takes off those that got their first token since (`pending`). Both
+give way to what the replica computed since: the share of the reported queue its steps
+drain in the heartbeat's age, at most `MAX_HEARTBEAT_AGE_S`; or, where this router
+placed a foreground prompt there with nothing left to compute (`wake`), the prompts it
+sent from then on, drained from that moment.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from router.prompt_tally import Computed, Since, pending
+from router.queue_drain import share_computed
+from router.replica_load import ReplicaLoad
+
+if TYPE_CHECKING:
+    from router.cluster_view import ClusterView
+
+MAX_HEARTBEAT_AGE_S = 1.0  # two heartbeat periods (`ClusterView.heartbeat_age`)
+
+
+def queue_of(view: ClusterView, rid: str, base: ReplicaLoad, since: Since, done: Computed, node_busy: float,
+             now: float | None) -> tuple[int, int, float]:
+    """The prompt tokens still to compute on `rid` and their work (`pending`), and the
+    share of the reported queue computed since the heartbeat."""
+    slowdown = base.coefficients.slowdown(node_busy)
+    if since.woke_at is not None and now is not None:  # computing this router's prompts since then
+        ran = 1.0
+        ran_tokens, ran_work = _ran_since_woken(base, since, min(now - since.woke_at, MAX_HEARTBEAT_AGE_S)
+                                                / slowdown)
+    else:
+        ran = share_computed(base, view.heartbeat_age(rid, now) / slowdown)
+        ran_tokens, ran_work = ran * base.queue_tokens, ran * base.queue_work
+    return (pending(base.queue_tokens, view.backlog.get(rid, 0) - done.all.tokens, ran_tokens,
+                    since.sent.tokens, since.done.tokens),
+            pending(base.queue_work, view.backlog_work.get(rid, 0) - done.all.work, ran_work,
+                    since.sent.work, since.done.work), ran)
+
+
+def computed(view: ClusterView, replica_id: str, progress: dict[str, tuple[int, int]]) -> Computed:
+    """Of this router's prompts still waiting for their first token on `replica_id`,
+    what its last heartbeat says is computed already (`ReplicaLoad.prefill_progress`).
+    The backlog counts each prompt whole until its first token: without this, a prompt
+    nine tenths computed still counted whole, and a long remote prefill behind it was
+    predicted a second late."""
+    done = Computed()
+    if not progress:
+        return done
+    for route in ("disagg", "local"):
+        for p in view.waiting.get((route, replica_id), ()):
+            left = progress.get(p.request_id) if p.request_id and not p.first_token else None
+            if left is not None:
+                done.add(max(0, p.prefill_tokens - left[0]), max(0, p.prefill_work - left[1]),
+                         p.decision.yield_prefill)
+    return done
+
+
+def wake(view: ClusterView, replica_id: str, at: float, background: bool) -> None:
+    """A prompt placed on `replica_id` at `at` (the policy's clock) with nothing left
+    to compute there starts at once: from then on, the replica computes what this
+    router sends it (`Since.woke_at`), so a prompt placed behind it counts only what
+    is left of it. Counted whole until the next heartbeat instead, a short prompt
+    queued behind another was priced as sharing a step with all of it after the
+    step that computed it had begun, and came in at three quarters of its predicted
+    TTFT (bench cluster, one short prompt ahead on an otherwise idle replica).
+    Foreground prompts only: a background prefill drains a small chunk a step, which
+    that pace (full-budget chunks) would take for done many steps early, so one
+    placed there stops the clock until the next heartbeat."""
+    replica, taken_at = view.replicas.get(replica_id), view.taken_at.get(replica_id)
+    if replica is None or taken_at is None or at < taken_at:
+        return
+    since = view.since_of(replica_id)
+    if background:
+        since.woke_at = None
+        return
+    base = view.heartbeat_load(replica)
+    queue = queue_of(view, replica_id, base, since, computed(view, replica_id, base.prefill_progress), 0.0, at)
+    if queue[0] == 0:
+        since.wake(at)
+
+
+def _ran_since_woken(base: ReplicaLoad, since: Since, seconds: float) -> tuple[float, float]:
+    """Prompt tokens (and work) computed on a replica `seconds` after it woke: the
+    reported queue and what this router sent before were done by then, and the prompts it
+    sent since have drained at their pace (`share_computed`)."""
+    tokens = since.sent.tokens - since.sent_before.tokens
+    work = since.sent.work - since.sent_before.work
+    share = share_computed(base.evolve(queue_tokens=tokens, queue_work=work, background_tokens=0,
+                                       background_work=0), seconds)
+    return (base.queue_tokens + since.sent_before.tokens + share * tokens,
+            base.queue_work + since.sent_before.work + share * work)
