@@ -7,7 +7,7 @@ replica sends is delayed: the slow transfers reach the predictions (the prefill 
 fit of its transfer tails, the router's corrections) and routing shifts local, with
 nobody touching a threshold. Once the delay is gone the evidence ages out and remote
 comes back. Both forget within seconds here (`router.correction_half_life_s`,
-`router.transfer_cost_max_age_s`, long enough that the fourteen probes under the fault
+`router.transfer_cost_max_age_s`, long enough that the last seven of the twenty probes under the fault
 re-probe remote at most once); the defaults are a minute.
 """
 
@@ -91,7 +91,7 @@ def test_auto_shifts_away_from_a_slowed_kv_path_and_back(app):
         time.sleep(1.0)
         before = [probe() for _ in range(10)]
         _set_delay(DELAY_S)
-        during = [probe() for _ in range(14)]
+        during = [probe() for _ in range(20)]
         _set_delay(0.0)
         cleared = time.monotonic()
         after: list[str] = []
