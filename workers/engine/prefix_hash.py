@@ -33,7 +33,9 @@ def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
     num_full = len(token_ids) // block_size
     if num_full == 0:
         return []
-    data = np.asarray(token_ids[:num_full * block_size], dtype="<i8").tobytes()
+    num_tokens = num_full * block_size
+    ids = token_ids if len(token_ids) == num_tokens else token_ids[:num_tokens]
+    data = struct.pack(f"<{num_tokens}q", *ids)  # half numpy's time from a Python list
     width = 8 * block_size
     blake2b = hashlib.blake2b
     digests: list[bytes] = []
@@ -43,4 +45,4 @@ def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
         h.update(data[start:start + width])
         parent = h.digest()
         digests.append(parent)
-    return [int.from_bytes(d, "little") for d in digests]
+    return np.frombuffer(b"".join(digests), dtype="<u8").tolist()  # one conversion, not one per block
