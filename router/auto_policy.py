@@ -216,16 +216,6 @@ def _streams_objective(ctx: RouteContext, candidate: Candidate, beside: ReplicaL
     return stream_slo_s(ctx, floor, beside)
 
 
-
-
-
-
-
-
-
-
-
-
 def _host_objective(ctx: RouteContext, candidate: Candidate, state: LearnedState,
                     now: float) -> tuple[float, int]:
     """`_streams_objective` for the streams on a remote candidate's prefill replica (the
@@ -239,16 +229,6 @@ def _host_objective(ctx: RouteContext, candidate: Candidate, state: LearnedState
         return default, 0
     floor = predict.decode_step_s(host) * state.factor("tpot", STREAMS, host.replica_id, now)
     return predict.stream_objective_s(host, default, floor)
-
-
-
-
-
-
-
-
-
-
 
 
 def _chance(state: LearnedState, metric: str, key: str, predicted_s: float, objective_s: float,

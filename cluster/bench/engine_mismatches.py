@@ -76,8 +76,6 @@ def hf_next_logits(model) -> NextLogits:
     return next_logits
 
 
-
-
 def classify_by_logprobs(found: dict[str, list[dict]], reference: list[list[int]],
                          others: dict[str, list[list[int]]], logprobs: list[list[TokenLogprob]],
                          tol: float = NEAR_TIE_LOGPROB_GAP) -> dict[str, int]:

@@ -36,12 +36,9 @@ def kv_pressure(ev: Evidence) -> list[Finding]:
          "pool": None if worst is None else worst[1]})]
 
 
-
 def _replicas(ev: Evidence, pool: str) -> int:
     samples = [fams.get("pdc_num_requests_running", ()) for _, fams in ev.window.gauges]
     return len({labels.get("replica") for series in samples for labels, _ in series if labels.get("pool") == pool})
-
-
 
 
 def _reason_shares(ev: Evidence) -> dict[str, float]:
