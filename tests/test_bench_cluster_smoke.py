@@ -1,7 +1,8 @@
-"""`pdcluster bench cluster --quick --json` end to end in its own process (its own local
-Ray: one Ray per process, and this one may already run the session's): the tiny model,
-one repeat of each workload in each configuration (`auto` in every SLO cell), the two
-scenarios shortened, JSON alone on stdout."""
+"""`pdcluster bench cluster --quick --json --save-steps` end to end in its own process
+(its own local Ray: one Ray per process, and this one may already run the session's): the
+tiny model, one repeat of each workload in each configuration (`auto` in every SLO
+cell), the two scenarios shortened, every run's step records kept, JSON alone on
+stdout."""
 
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ def test_ratios_only_for_the_workloads_that_ran():
 
 def test_bench_cluster_quick_prints_json(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "cluster", "bench", "cluster", "--quick", "--json",
+        [sys.executable, "-m", "cluster", "bench", "cluster", "--quick", "--json", "--save-steps",
          "--model-cache", str(tmp_path / "models"), "--out", str(tmp_path / "out")],
         capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -110,5 +111,9 @@ def test_bench_cluster_quick_prints_json(tmp_path):
     assert isinstance(overhead["router_overhead_paired_p50_ms"], float)
     assert overhead["direct_stream_ttft_p50_ms"] > 0  # the decode replica's stream, called directly
     assert "router_overhead_vs_stream_p50_ms" in report["ratios"]
+    assert (tmp_path / "out" / "r0" / "mixed" / "auto" / "steps.jsonl").is_file()  # --save-steps
+    speed = report["machine_speed"]  # each run's speed from its steps' CPU time
+    assert len(speed["factors"]) >= 2 and set(speed["by_config"]) <= {c.name for c in CONFIGS}, speed
+    assert all(name.split("/")[1] in WORKLOADS for name in speed["factors"]) and speed["spread"] >= 1.0
     assert report["run_time_s"] > 0 and report["machine"]["cores"] >= 1
     assert report["setup"]["workload_path"] == "direct ingress"  # straight to the router replicas

@@ -85,7 +85,8 @@ def bench_cluster_cmd(
                                         "through the proxy."),
     save_steps: bool = typer.Option(False, "--save-steps", help="Beside each run's requests.jsonl, write the "
                                     "app's step and KV transfer records over the run (steps.jsonl, "
-                                    "transfers.jsonl) for `pdcluster plan calibrate --run`."),
+                                    "transfers.jsonl) for `pdcluster plan calibrate --run`, and report how "
+                                    "fast the machine ran each run (machine_speed)."),
     via_proxy: bool = typer.Option(False, "--via-proxy", help="Send the baseline, the workloads and the "
                                    "scenarios through Serve's proxy even with direct ingress on (by default "
                                    "they go straight to each app's router replica, as an L4 balancer would "
@@ -152,7 +153,8 @@ def run_bench(opts: BenchOptions, log) -> dict:
     import ray.serve  # noqa: F401 - this process reads Serve's settings before serve_env changes them
 
     from cluster.bench.cluster_report import build_report
-    from cluster.bench.cluster_runs import Bench, run_scenarios, run_workloads
+    from cluster.bench.cluster_runs import Bench, run_folders, run_scenarios, run_workloads
+    from cluster.bench.machine_speed import from_folders
     from cluster.bench.policy_admin import PolicyAdmin, admin_token_file
     from cluster.bench.router_overhead import measure
     from cluster.bench.sizing import bench_workloads, measure_baseline
@@ -206,6 +208,8 @@ def run_bench(opts: BenchOptions, log) -> dict:
                 direct = {**measure(direct_url, "pd", num_samples=opts.overhead_samples), "url": direct_url}
     overhead = direct or proxied  # the figure the target is read from
     report = build_report(baseline, workloads, runs, scenarios, overhead)
+    # the steps' CPU time per unit of work, run by run (only with the records saved)
+    report["machine_speed"] = from_folders(run_folders(opts.out, workloads, opts.repeats)) if opts.save_steps else {}
     if direct is not None:
         report["ratios"]["router_overhead_via_proxy_ttft_p50_ms"] = proxied["router_overhead_ttft_p50_ms"]
     return {

@@ -255,6 +255,10 @@ def print_report(result: dict, console) -> None:
         spread = ", ".join(f"{config} TTFT {b.get('ttft', '-')} TPOT {b.get('tpot', '-')}"
                            for config, b in by_config.items())
         console.print(f"{name}: the same request between repeats lands apart by (median) {spread}")
+    if result.get("machine_speed"):
+        from cluster.bench.machine_speed import describe as describe_speed
+
+        console.print(describe_speed(result["machine_speed"]))
     for key, target in result["targets"].items():
         verdict = {True: "met", False: "MISSED", None: "not judged"}[target["met"]]
         console.print(f"{key}: {target['value']} (target {target['target']}: {verdict})")

@@ -15,6 +15,7 @@ import contextlib
 import json
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,11 +110,22 @@ def run_workloads(bench: Bench, workloads: dict[str, ClusterWorkload], repeats: 
         for w_index, (name, workload) in enumerate(workloads.items()):
             for c_index, config in enumerate(order):
                 seed = 10_000 * (repeat + 1) + 100 * w_index + c_index
-                result = bench.run(config, workload, bench.out / f"r{repeat}" / name / config.name, seed)
+                result = bench.run(config, workload, run_folder(bench.out, repeat, name, config.name), seed)
                 runs[name][config.name].append(result)
                 done += 1
                 bench.log(f"[{done}/{total}] repeat {repeat} {name:15s} {_line(config, result)}")
     return runs
+
+
+def run_folder(out: Path, repeat: int, workload: str, config: str) -> Path:
+    """Where one repeat of a workload in a configuration keeps its records."""
+    return out / f"r{repeat}" / workload / config
+
+
+def run_folders(out: Path, workloads: Iterable[str], repeats: int) -> dict[str, Path]:
+    """`{"r<repeat>/<workload>/<config>": folder}` of every run `run_workloads` makes."""
+    return {f"r{repeat}/{name}/{c.name}": run_folder(out, repeat, name, c.name)
+            for repeat in range(repeats) for name in workloads for c in CONFIGS}
 
 
 def run_scenarios(bench: Bench, prompt_factor: float, span_s: float, num_long: int, half_s: float,
