@@ -100,7 +100,8 @@ def candidates(ctx: RouteContext) -> list[Candidate]:
     req, d = ctx.shape, ctx.decode
     d_queue = drain(d)  # priced once: every candidate looks at it
     out = [predict.local(req, d, ctx.num_cached_tokens, d_queue)]
-    slow = predict.background(req, d, ctx.num_cached_tokens, chunk_objective_s(ctx), d_queue)
+    slow = predict.background(req, d, ctx.num_cached_tokens, stream_slo_s(ctx, predict.expected_gap_s(d))[0],
+                              d_queue)
     if slow is not None:
         out.append(slow)
     if ctx.num_healthy_prefill > 0:  # `auto` drops them when the decode replica has no room
@@ -121,20 +122,6 @@ def stream_slo_s(ctx: RouteContext, floor_s: float = 0.0, r: ReplicaLoad | None 
     if r is None:
         return default, 0
     return predict.stream_objective_s(r, default, floor_s)
-
-
-def chunk_objective_s(ctx: RouteContext) -> float:
-    """The mean gap a background prefill's chunk on the decode replica is sized to keep:
-    `stream_slo_s` with the streams past reach judged as `_streams_objective` scores them
-    (below the decode step alone); where every stream there is past reach, this
-    workload's objective, which the requests that arrive to decode there meanwhile bring
-    with their whole budget. Sized to no objective, the chunk took the whole step budget
-    beside them: where a replica's gaps had been stretched past its streams' allowances,
-    a 1,470-token prompt ran in 509-token chunks as a background prefill, and the
-    requests landing there decoded at 230-390 ms a token against 86 (bench cluster,
-    load shift)."""
-    objective, _ = stream_slo_s(ctx, predict.decode_step_s(ctx.decode) if ctx.decode is not None else 0.0)
-    return objective if math.isfinite(objective) else ctx.slo.tpot_ms / 1000.0
 
 
 def streams_host(ctx: RouteContext, candidate: Candidate) -> ReplicaLoad | None:
