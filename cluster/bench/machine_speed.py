@@ -20,26 +20,24 @@ machines; read their cells with that in mind.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from statistics import median
 
 import numpy as np
 
+from cluster.plan.records import STEPS_FILE, read_run_records
 from workers.engine.cost_model import step_features
 from workers.engine.nnls_fit import MIN_STEP_S, fit_step_coefficients
 from workers.engine.step_cost import StepRecord
 
 MIN_RUN_STEPS = 20  # fewer quiet steps: the run's factor is not reported
 FIT_ROUNDS = 6  # of fitting the model and the runs' factors in turn
-STEP_FIELDS = frozenset(StepRecord.__dataclass_fields__)
 
 
-def quiet_steps(rows: Iterable[Mapping]) -> list[StepRecord]:
-    """The records of `rows` (steps.jsonl lines) that did work, measured their CPU time,
-    and ran with no other engine of the node computing."""
-    records = [StepRecord(**{k: v for k, v in row.items() if k in STEP_FIELDS}) for row in rows]
+def quiet_steps(records: Iterable[StepRecord]) -> list[StepRecord]:
+    """The records that did work, measured their CPU time, and ran with no other engine
+    of the node computing."""
     return [r for r in records if r.cpu_time_s > 0 and r.node_busy == 0
             and (r.num_prefill_tokens > 0 or r.num_decode_seqs > 0)]
 
@@ -77,11 +75,8 @@ def by_config(factors: Mapping[str, float]) -> dict[str, float]:
 def from_folders(folders: Mapping[str, Path]) -> dict:
     """`speed_factors` of run folders (`{name: folder}`, each with the steps.jsonl a run
     writes with `--save-steps`; one without is left out), with `by_config` beside it."""
-    runs = {}
-    for name, folder in folders.items():
-        path = Path(folder) / "steps.jsonl"
-        if path.is_file():
-            runs[name] = quiet_steps(json.loads(line) for line in path.read_text().splitlines() if line.strip())
+    runs = {name: quiet_steps(s.record for s in read_run_records(folder).steps)
+            for name, folder in folders.items() if (Path(folder) / STEPS_FILE).is_file()}
     speed = speed_factors(runs)
     if speed:
         speed["by_config"] = by_config(speed["factors"])
