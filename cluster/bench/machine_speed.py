@@ -27,7 +27,7 @@ from statistics import median
 import numpy as np
 
 from cluster.plan.records import STEPS_FILE, read_run_records
-from workers.engine.cost_model import step_features
+from workers.engine.cost_model import has_work, step_features
 from workers.engine.nnls_fit import MIN_STEP_S, fit_step_coefficients
 from workers.engine.step_cost import StepRecord
 
@@ -38,8 +38,7 @@ FIT_ROUNDS = 6  # of fitting the model and the runs' factors in turn
 def quiet_steps(records: Iterable[StepRecord]) -> list[StepRecord]:
     """The records that did work, measured their CPU time, and ran with no other engine
     of the node computing."""
-    return [r for r in records if r.cpu_time_s > 0 and r.node_busy == 0
-            and (r.num_prefill_tokens > 0 or r.num_decode_seqs > 0)]
+    return [r for r in records if has_work(r) and r.cpu_time_s > 0 and r.node_busy == 0]
 
 
 def speed_factors(runs: Mapping[str, list[StepRecord]]) -> dict:
