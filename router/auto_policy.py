@@ -100,8 +100,7 @@ def candidates(ctx: RouteContext) -> list[Candidate]:
     req, d = ctx.shape, ctx.decode
     d_queue = drain(d)  # priced once: every candidate looks at it
     out = [predict.local(req, d, ctx.num_cached_tokens, d_queue)]
-    slow = predict.background(req, d, ctx.num_cached_tokens, stream_slo_s(ctx, predict.expected_gap_s(d))[0],
-                              d_queue)
+    slow = predict.background(req, d, ctx.num_cached_tokens, chunk_objective_s(ctx), d_queue)
     if slow is not None:
         out.append(slow)
     if ctx.num_healthy_prefill > 0:  # `auto` drops them when the decode replica has no room
@@ -122,6 +121,30 @@ def stream_slo_s(ctx: RouteContext, floor_s: float = 0.0, r: ReplicaLoad | None 
     if r is None:
         return default, 0
     return predict.stream_objective_s(r, default, floor_s)
+
+
+def chunk_objective_s(ctx: RouteContext) -> float:
+    """The mean gap a background prefill's chunk on the decode replica is sized to keep:
+    what the tightest stream there still in reach of the decode step alone can afford (as
+    `_streams_objective` judges reach when scoring); where every stream there is past
+    reach, this workload's objective, which the requests arriving to decode there
+    meanwhile bring; none (the whole budget) where even that is below the decode step, as
+    a chunk sized to an objective nobody can meet protects nobody.
+
+    Judged against the expected gap, which counts the prompts placed there lately, every
+    stream on a replica whose gaps those prompts had stretched looked past reach, the
+    chunk took the whole budget, and the gaps stretched further: a 1,665-token prompt ran
+    in 509-token chunks beside three streams allowed 86 ms a token, which then decoded at
+    230-390 ms (bench cluster, load shift)."""
+    d = ctx.decode
+    if d is None:
+        return ctx.slo.tpot_ms / 1000.0
+    floor = predict.decode_step_s(d)
+    objective, _ = stream_slo_s(ctx, floor)
+    if math.isfinite(objective):
+        return objective
+    own = ctx.slo.tpot_ms / 1000.0
+    return own if own >= floor else math.inf
 
 
 def streams_host(ctx: RouteContext, candidate: Candidate) -> ReplicaLoad | None:

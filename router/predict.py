@@ -42,7 +42,8 @@ and it is held to what the tightest of them still in reach can afford
 (`stream_objective_s`: a stream's objective less what its gaps so far already took,
 spread over its tokens left; one that cannot make it even with nothing added is past
 reach and sets nothing); a decode step there is the expected gap (`expected_gap_s`):
-the step of the moment blended with the gap the replica's streams saw lately.
+the step of the moment blended with the gap the replica's streams saw lately, and a step
+that also computes prompt tokens is stretched as much (`as_streams_see`).
 
 Replicas of one machine share its cores and memory bandwidth: a `ReplicaLoad`'s step
 model already prices its steps beside the other replicas of its node that are busy now
@@ -109,6 +110,23 @@ def expected_gap_s(r: ReplicaLoad, extra_seqs: float = 0.0, extra_context: float
         recent = r.recent_gap_s + c.decode_seq_s * extra_seqs + c.decode_context_s * extra_context
         now = NOW_WEIGHT * now + (1.0 - NOW_WEIGHT) * recent
     return now / (1.0 - prompt_share(r))
+
+
+def as_streams_see(r: ReplicaLoad, phases: Phases) -> Phases:
+    """`phases` (steps of `r`'s queue as its step model prices them) as the streams there
+    wait through them: each step stretched as `expected_gap_s` stretches a decode step,
+    by what the replica's recent gaps ran past its step model and by the prompts arriving
+    meanwhile. Priced bare, a background prompt's chunk steps looked quicker to the
+    streams than the gaps they were seeing anyway: on a replica whose recent gaps ran at
+    33 ms against a 9 ms decode step, a prompt in 90-token chunks (18 ms steps) beside
+    streams allowed 20 ms looked kinder to them than a remote prefill that adds one
+    stream, and won."""
+    if not phases:
+        return phases
+    now = decode_step_s(r)
+    lag = (1.0 - NOW_WEIGHT) * max(0.0, r.recent_gap_s - now) if r.recent_gap_s is not None else 0.0
+    stretch = 1.0 / (1.0 - prompt_share(r))
+    return tuple((steps, (step + lag) * stretch) for steps, step in phases)
 
 
 def prompt_share(r: ReplicaLoad) -> float:
@@ -238,13 +256,13 @@ def remote(req: RequestShape, p: ReplicaLoad, d: ReplicaLoad, prefill_cached: in
     # half a step to reserve, half to commit, one to report the first token
     ttft = prefill.seconds + tail + 2.0 * max(current_step_s(d, d_queue) * during_x, 0.5 * after)
     tpot = _own_tpot(req, d, _skip(d_queue.phases, ttft))
-    busy = d_queue.phases
+    busy = as_streams_see(d, d_queue.phases)
     if during_x > 1.0 and d.num_streams:  # the prefill slows the streams of its node's decode replica
         gap = expected_gap_s(d) * during_x
         busy += ((prefill.seconds / gap if gap > 0 else 0.0, gap),)
     streams = _streams_tpot(d, busy, _gap_with(req, d), req)
     host_gap = expected_gap_s(p)
-    host = max(_streams_tpot(p, prefill.phases, host_gap),
+    host = max(_streams_tpot(p, as_streams_see(p, prefill.phases), host_gap),
                _queued_tpot(p, prefill.own_steps, prefill.own_step_s, host_gap))
     return Candidate("remote", d.replica_id, p.replica_id, Prediction(ttft, tpot, streams, tail, host),
                      num_streams=d.num_streams, host_streams=p.num_streams + p.queued_streams,
@@ -267,7 +285,7 @@ def _on_decode_replica(kind: Kind, req: RequestShape, d: ReplicaLoad, prefill: D
     phases = prefill.phases
     tpot = _own_tpot(req, d, phases[1:])
     after = _gap_with(req, d)
-    streams = max(_streams_tpot(d, phases, after, req),
+    streams = max(_streams_tpot(d, as_streams_see(d, phases), after, req),
                   _queued_tpot(d, prefill.own_steps, prefill.own_step_s, after))
     joining = d.arrival_rate * prefill.own_s + bisect.bisect_left(d.incoming_due_s, prefill.seconds)
     if not streams and joining > 0.0:  # none decode there yet: those expected to join meanwhile (`_joiner_tpot`)

@@ -74,3 +74,21 @@ def test_phases_split_a_queue_into_its_foreground_then_its_trailing_background()
     assert head_steps + tail_steps == queue.busy_steps == 50  # 400 / 8
     assert head_s > 2 * tail_s
     assert head_steps * head_s + tail_steps * tail_s == pytest.approx(queue.busy_s)
+
+
+def test_streams_wait_through_a_prompts_steps_stretched_as_their_decode_steps_are():
+    """A replica whose streams' recent gaps ran past its step model (other work on the
+    node, streams that came and went) and where prompts keep arriving: a step that also
+    prefills is stretched by both, as `expected_gap_s` stretches a decode step, so it is
+    never quicker to the streams than the gaps they see anyway."""
+    bare = dataclasses.replace(
+        from_stats("d", "decode", {"num_decoding": 2, "decode_context_tokens": 20, "max_num_batched_tokens": 64}),
+        coefficients=MODEL, recent_gap_s=None, prompt_token_rate=0.0, prompt_work_rate=0.0)
+    phases = ((3.0, 0.030), (10.0, 0.015))
+    assert predict.as_streams_see(bare, phases) == phases
+    step = predict.decode_step_s(bare)  # 12 ms
+    lagging = dataclasses.replace(bare, recent_gap_s=step + 0.010, prompt_token_rate=500.0)  # a fifth of its time
+    seen = predict.as_streams_see(lagging, phases)
+    assert [n for n, _ in seen] == [3.0, 10.0]
+    assert seen[0][1] == pytest.approx((0.030 + (1 - predict.NOW_WEIGHT) * 0.010) / 0.8)
+    assert predict.as_streams_see(lagging, ((1.0, step),))[0][1] == pytest.approx(predict.expected_gap_s(lagging))
