@@ -6,7 +6,8 @@ its uncorrected prediction and what happened (router-side: arrival to first toke
 the HTTP hop before the router is not charged to the model; TPOT for requests of two or
 more tokens). A correction factor (measured / predicted, smoothed on the log scale)
 then rescales later predictions for that replica and route, so a slow prefill pool, a
-slow network or a cold transfer path shows up in the predictions within a few requests.
+slow network or a cold transfer path shows up in the predictions within a few requests;
+a TPOT measured over only a few gaps moves it less (`tpot_weight`).
 Background prefills keep factors of their own (`Candidate.learned_as`): a foreground
 one's errors say little about theirs. So do long prompts' TTFT (`Candidate.ttft_learned_as`,
 key `<route>:long` from `candidate.LONG_PROMPT_TOKENS` computed tokens): a short prompt's
@@ -88,6 +89,8 @@ Metric = Literal["ttft", "tpot"]
 Key = tuple[str, str, str]
 
 SMOOTHING = 0.5  # weight of the newest measurement on the log scale (the first one moves the factor half way)
+# a TPOT measured over fewer gaps than this moves a factor that much less (`tpot_weight`)
+FULL_WEIGHT_GAPS = 8
 MAX_RATIO = 8.0  # one measurement counts as at most this ratio either way
 HALF_LIFE_S = 60.0
 RESIDUALS = 128  # per metric and route: the recent measured / corrected ratios kept
@@ -131,6 +134,7 @@ class Outcome:
     learned_as: str = ""  # the key of its corrections (`Candidate.learned_as`); "" = its route
     ttft_learned_as: str = ""  # the key of its TTFT correction (`Candidate.ttft_learned_as`); "" = `key`
     worker_ttft_s: float | None = None  # the called worker's own TTFT (`GenerateChunk.worker_ttft_s`)
+    tpot_gaps: int = 0  # the gaps between tokens its TPOT is the mean of (0: unknown, taken as many)
 
     @property
     def key(self) -> str:
@@ -237,9 +241,10 @@ class Corrections:
         if hop is not None:
             self._hop(outcome.decode_replica, hop)
         if outcome.predicted_tpot_s is not None and outcome.measured_tpot_s is not None:
+            weight = tpot_weight(outcome.tpot_gaps)
             for key in (outcome.key, STREAMS):
                 self._update(("tpot", key, outcome.decode_replica), outcome.predicted_tpot_s,
-                             outcome.measured_tpot_s, now)
+                             outcome.measured_tpot_s, now, weight)
         self._last_seen[outcome.route] = now
         self._snapshot = None
 
@@ -260,12 +265,12 @@ class Corrections:
             old = self._hops.get(key)
             self._hops[key] = hop if old is None else old + HOP_SMOOTHING * (hop - old)
 
-    def _update(self, key: Key, predicted: float, measured: float, now: float) -> None:
+    def _update(self, key: Key, predicted: float, measured: float, now: float, weight: float = SMOOTHING) -> None:
         if not _usable(predicted, measured):
             return
         ratio = min(max(measured / predicted, 1.0 / MAX_RATIO), MAX_RATIO)
         old = self._corrections.get(key, Correction())
-        log_factor = (1.0 - SMOOTHING) * old.log_factor + SMOOTHING * math.log(ratio)
+        log_factor = (1.0 - weight) * old.log_factor + weight * math.log(ratio)
         self._corrections[key] = Correction(log_factor, old.num_samples + 1, now)
 
     def snapshot(self) -> LearnedState:
@@ -296,6 +301,19 @@ class Corrections:
             entry = dict(c.to_dict(), effective=round(state.factor(metric, route, replica, now), 4))
             out.setdefault(replica, {})[f"{metric}/{route}"] = entry
         return out
+
+
+def tpot_weight(gaps: int) -> float:
+    """How far one TPOT measurement moves a factor: `SMOOTHING` for a mean over
+    `FULL_WEIGHT_GAPS` gaps or more (or an unknown number), in proportion below that. A
+    single gap is one step's wait, whatever else that step did: the load tester's
+    two-token probe, decoding alone on an idle replica in 13 ms against 36 predicted (the
+    replica's recent gaps), moved the streams' factor to 0.6 before the first request of
+    the run, whose streams were then predicted at 22-25 ms a token and ran at 57-62
+    (bench cluster, tight cell, objective 56)."""
+    if gaps <= 0:
+        return SMOOTHING
+    return SMOOTHING * min(1.0, gaps / FULL_WEIGHT_GAPS)
 
 
 def tpot_key(learned_as: str) -> str:

@@ -122,9 +122,10 @@ def outcome_of(placement: Placement, ttft_s: float, tpot_s: float | None,
         return None
     raw = candidate.prediction
     measured_tpot = tpot_s if placement.num_sequences == 1 else None
+    tokens = placement.tokens_back or placement.max_tokens  # streamed back; where untracked, as many as asked
     return Outcome(decision.route, candidate.prefill_replica, candidate.decode_replica, raw.ttft_s, ttft_s,
                    raw.tpot_s if measured_tpot is not None else None, measured_tpot, raw.transfer_s,
-                   candidate.learned_as, candidate.ttft_learned_as, worker_ttft_s)
+                   candidate.learned_as, candidate.ttft_learned_as, worker_ttft_s, tpot_gaps=max(0, tokens - 1))
 
 
 def _rounded(seconds: float | None) -> float | None:

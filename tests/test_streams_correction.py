@@ -82,3 +82,38 @@ def test_a_background_prompt_that_fits_in_one_chunk_is_corrected_as_a_foreground
     assert chunks["background"].yields and chunks["background"].learned_as == "background"
     assert corrected(chunks["background"], state, 0.0).ttft_s == pytest.approx(
         chunks["background"].prediction.ttft_s * background_f)
+
+
+def test_a_tpot_over_few_gaps_moves_the_factor_in_proportion():
+    """A two-token request (one gap: the load tester's probe on an idle replica) moves the
+    streams' factor an eighth as far as a request of 32 tokens; a request of 8 tokens or
+    more, or of an unknown length, moves it the whole `SMOOTHING` of the way."""
+    import math
+
+    from router.corrections import SMOOTHING, tpot_weight
+
+    def factor_after(gaps: int) -> float:
+        corrections = Corrections()
+        corrections.observe(Outcome("local", "d1", "d1", 0.1, 0.1, 0.036, 0.013, tpot_gaps=gaps), now=0.0)
+        return corrections.snapshot().factor("tpot", "streams", "d1", 0.0)
+
+    full = math.exp(SMOOTHING * math.log(0.013 / 0.036))  # 0.60
+    assert factor_after(31) == pytest.approx(full) == pytest.approx(factor_after(0))
+    assert factor_after(1) == pytest.approx(math.exp(SMOOTHING / 8 * math.log(0.013 / 0.036)))  # 0.94
+    assert factor_after(1) > 0.9 > factor_after(4) > factor_after(8) == pytest.approx(full)
+    assert [tpot_weight(g) for g in (0, 1, 4, 8, 100)] == [SMOOTHING, SMOOTHING / 8, SMOOTHING / 2, SMOOTHING, SMOOTHING]
+
+
+def test_the_router_learns_a_tpot_over_the_tokens_it_streamed_back():
+    from router.candidate import Candidate, Prediction
+    from router.learning import outcome_of
+    from router.placement import Placement
+    from router.policy import RouteDecision
+
+    candidate = Candidate("local", "d1", "d1", Prediction(0.1, 0.03, 0.0))
+    placement = Placement("decode", "d1", None, RouteDecision("local", "slo-local", candidate=candidate,
+                                                               prediction=candidate.prediction), 0)
+    placement.max_tokens = 32
+    assert outcome_of(placement, 0.1, 0.02).tpot_gaps == 31  # nothing tracked: as many as it asked for
+    placement.tokens_back = 2  # it stopped after two
+    assert outcome_of(placement, 0.1, 0.02).tpot_gaps == 1
