@@ -104,12 +104,17 @@ def expected_gap_s(r: ReplicaLoad, extra_seqs: float = 0.0, extra_context: float
     stretched by the prompts arriving there (`prompt_share`): the recent gap leaves out
     the steps that also prefilled, and the prompts that will arrive during a stream's life
     are in no queue yet."""
-    now = decode_step_s(r, extra_seqs, extra_context)
-    if r.recent_gap_s is not None:
-        c = r.coefficients
-        recent = r.recent_gap_s + c.decode_seq_s * extra_seqs + c.decode_context_s * extra_context
-        now = NOW_WEIGHT * now + (1.0 - NOW_WEIGHT) * recent
-    return now / (1.0 - prompt_share(r))
+    return (decode_step_s(r, extra_seqs, extra_context) + recent_lag_s(r)) / (1.0 - prompt_share(r))
+
+
+def recent_lag_s(r: ReplicaLoad) -> float:
+    """What `expected_gap_s` adds to a step of `r` for the gaps its streams saw lately:
+    their share (1 - `NOW_WEIGHT`) of how far those ran past its decode step now (less
+    where they ran shorter); 0 where its streams saw no gaps lately. The extra streams a
+    step decodes cost the same either way, so they cancel."""
+    if r.recent_gap_s is None:
+        return 0.0
+    return (1.0 - NOW_WEIGHT) * (r.recent_gap_s - decode_step_s(r))
 
 
 def as_streams_see(r: ReplicaLoad, phases: Phases) -> Phases:
@@ -123,8 +128,7 @@ def as_streams_see(r: ReplicaLoad, phases: Phases) -> Phases:
     stream, and won."""
     if not phases:
         return phases
-    now = decode_step_s(r)
-    lag = (1.0 - NOW_WEIGHT) * max(0.0, r.recent_gap_s - now) if r.recent_gap_s is not None else 0.0
+    lag = max(0.0, recent_lag_s(r))  # a prompt's step is never shorter than its step model says
     stretch = 1.0 / (1.0 - prompt_share(r))
     return tuple((steps, (step + lag) * stretch) for steps, step in phases)
 
