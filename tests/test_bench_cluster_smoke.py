@@ -112,6 +112,13 @@ def test_bench_cluster_quick_prints_json(tmp_path):
     assert overhead["direct_stream_ttft_p50_ms"] > 0  # the decode replica's stream, called directly
     assert "router_overhead_vs_stream_p50_ms" in report["ratios"]
     assert (tmp_path / "out" / "r0" / "mixed" / "auto" / "steps.jsonl").is_file()  # --save-steps
+    short = report["results"]["short_low_load"]
+    for config in ("colocated", "disagg", "auto"):  # the router's own log of every run, whatever its mode
+        figures = short[config]
+        assert figures["num_logged"] == figures["completed"], figures
+        assert 0 < figures["worker_ttft_p50_ms"] <= figures["router_ttft_p50_ms"], figures  # the worker's nests inside
+        assert (tmp_path / "out" / "r0" / "short_low_load" / config / "decisions.json").is_file()
+    assert report["ratios"]["auto_router_ttft_p50_vs_colocated_short_low_load"] > 0
     speed = report["machine_speed"]  # each run's speed from its steps' CPU time
     assert len(speed["factors"]) >= 2 and set(speed["by_config"]) <= {c.name for c in CONFIGS}, speed
     assert all(name.split("/")[1] in WORKLOADS for name in speed["factors"]) and speed["spread"] >= 1.0

@@ -167,11 +167,10 @@ def run_bench(opts: BenchOptions, log) -> dict:
     serve_env = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"} if opts.direct_ingress else {}
     with admin_token_file() as (token_file, token), LocalCluster(log=log, serve_env=serve_env) as cluster:
         ensure_preset(opts.preset, opts.model_cache, log)
-        log("deploying colocated (2 decode replicas) and pd (1 prefill + 1 decode, admin API and test-only "
-            "fault injection on, no fault set)")
+        log("deploying colocated (2 decode replicas) and pd (1 prefill + 1 decode, test-only fault injection "
+            "on, no fault set), both with the admin API on")
         proxied_urls = cluster.deploy_many([
-            ("colocated", app_args(opts.preset, opts.model_cache, 0, 2, "local",
-                                   admin_token_file=token_file if opts.save_steps else None),
+            ("colocated", app_args(opts.preset, opts.model_cache, 0, 2, "local", admin_token_file=token_file),
              "/colocated", expected_pools(0, 2)),
             ("pd", app_args(opts.preset, opts.model_cache, 1, 1, "auto", admin_token_file=token_file, faults=True),
              "/pd", expected_pools(1, 1)),
@@ -190,7 +189,8 @@ def run_bench(opts: BenchOptions, log) -> dict:
         for w in workloads.values():
             for line in w.describe():
                 log(line)
-        bench = Bench({"colocated": colocated, "pd": pd}, PolicyAdmin(pd, token), baseline, opts.out, log,
+        bench = Bench({"colocated": colocated, "pd": pd},
+                      {"colocated": PolicyAdmin(colocated, token), "pd": PolicyAdmin(pd, token)}, baseline, opts.out, log,
                       save_steps_token=token if opts.save_steps else None)
         runs = run_workloads(bench, workloads, opts.repeats)
         scenarios = {}

@@ -100,6 +100,9 @@ def legacy_ratios(results: dict, overhead: dict | None) -> dict:
         short = results["short_low_load"]
         ratios["auto_ttft_p50_vs_colocated_short_low_load"] = _ratio(short["auto"]["ttft_p50_ms"],
                                                                      short["colocated"]["ttft_p50_ms"])
+        for side in ("router", "worker"):  # where a client TTFT gap comes from: the route, or the path to it
+            ratios[f"auto_{side}_ttft_p50_vs_colocated_short_low_load"] = _ratio(
+                short["auto"].get(f"{side}_ttft_p50_ms"), short["colocated"].get(f"{side}_ttft_p50_ms"))
     for name, by_config in results.items():
         best = max((by_config[c]["goodput_rps"] or 0.0) for c in ("colocated", "disagg"))
         ratios[f"auto_goodput_vs_best_{name}"] = _ratio(by_config["auto"]["goodput_rps"], best)

@@ -1,12 +1,17 @@
 """The cluster benchmark's load runs: every (repeat, workload, configuration), then the
-two scenarios, each run's figures, requests and (for `auto`) the router's own
-prediction error.
+two scenarios, each run's figures, requests, the router's decisions and (for `auto`) its
+own prediction error.
 
 Configurations: `colocated` (the colocated app, mode local), `disagg` and `threshold`
 (the pd app, that mode), and `auto` once per SLO cell (the pd app, mode auto, its class
 profiles carrying that cell's SLOs). Before an `auto` run the class profiles are set and
 the policy reset (its corrections and its prediction-error window), so each `auto` run
 starts from the replicas' step models alone and its error covers its own requests.
+
+Every run, whatever its configuration, keeps the router's log of its requests
+(`decisions.json`) and reads from it the router-side TTFT (arrival to first token) and the
+called worker's own, beside the client's: a TTFT gap between two configurations then
+splits into the route (the worker's TTFT), the router and the HTTP path.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from pathlib import Path
 
 from cluster.bench.cluster_scenarios import disagg_hurts, fault_at_s, fault_delay_s, load_shift
 from cluster.bench.policy_admin import PolicyAdmin, set_prefill_faults
+from cluster.bench.router_side import router_side_figures, run_decisions
 from cluster.bench.sizing import Baseline
 from cluster.bench.slo_cells import BALANCED, CELLS, FIXED_CONFIGS, auto_config, cell_slos
 from cluster.local.traffic import ClusterWorkload
@@ -57,10 +63,10 @@ class RunResult:
 
 @dataclass
 class Bench:
-    """What every run needs: the apps' URLs, the pd app's admin API, the baseline."""
+    """What every run needs: the apps' URLs and admin APIs, the baseline."""
 
     urls: dict[str, str]
-    admin: PolicyAdmin
+    admins: dict[str, PolicyAdmin]  # per app; the pd app's also sets `auto`'s SLOs and resets its policy
     baseline: Baseline
     out: Path
     log: object = print
@@ -72,6 +78,10 @@ class Bench:
 
         self.probe = CpuProbe.for_serve()
 
+    @property
+    def admin(self) -> PolicyAdmin:
+        return self.admins["pd"]
+
     def run(self, config: Config, workload: ClusterWorkload, out_dir: Path, seed: int,
             on_record=None) -> RunResult:
         from cluster.local.runs import run_workload
@@ -79,15 +89,19 @@ class Bench:
         if config.cell is not None:
             self.admin.set_slos(cell_slos(self.baseline, config.cell, [c.name for c in workload.classes]))
             self.admin.reset()
-        before = self.probe.sample()
+        before, started_at = self.probe.sample(), time.time()
         with self._saving_steps(config.app, out_dir):
             run = run_workload(self.urls[config.app], workload, config.mode, out_dir, seed, on_record=on_record)
         figures = dict(run.figures(), cpu_s=self.probe.used(before))
+        admin = self.admins.get(config.app)
+        if admin is not None:  # how each request went through the router, kept beside the run
+            log = run_decisions(admin.decisions(), started_at)
+            (out_dir / "decisions.json").write_text(json.dumps(log, indent=1) + "\n")
+            figures.update(router_side_figures(log["decisions"], [r.request_id for r in run.records]))
         error = None
         if config.cell is not None:  # what the policy learned and how far off it was, kept beside the run
             policy = self.admin.describe()
             (out_dir / "policy.json").write_text(json.dumps(policy, indent=1) + "\n")
-            (out_dir / "decisions.json").write_text(json.dumps(self.admin.decisions(), indent=1) + "\n")
             error = policy.get("prediction_error", {})
         time.sleep(PAUSE_S)
         return RunResult(figures, run.records, error)
