@@ -104,7 +104,8 @@ def candidates(ctx: RouteContext) -> list[Candidate]:
     if slow is not None:
         out.append(slow)
     if ctx.num_healthy_prefill > 0:  # `auto` drops them when the decode replica has no room
-        out += [predict.remote(req, p, d, hit, ctx.num_cached_tokens, d_queue)
+        side = predict.decode_side(req, d, d_queue)
+        out += [predict.remote(req, p, d, hit, ctx.num_cached_tokens, side=side)
                 for p, hit in zip(ctx.prefills, ctx.prefill_cached_tokens, strict=True)]
     if ctx.whole is not None:
         out.append(predict.whole(req, ctx.whole, ctx.whole_cached_tokens))
@@ -173,11 +174,14 @@ def corrected(candidate: Candidate, state: LearnedState, now: float) -> Predicti
 
 
 def score(ctx: RouteContext, candidate: Candidate, prediction: Prediction, state: LearnedState = EMPTY,
-          now: float = 0.0) -> Scored:
+          now: float = 0.0, shared: dict | None = None) -> Scored:
+    """`shared`: one dict for every candidate of the request, which keeps what they read
+    alike of the replica whose streams they decode beside (priced once, not per candidate)."""
     slo_ttft, slo_tpot = ctx.slo.ttft_ms / 1000.0, ctx.slo.tpot_ms / 1000.0
     route = candidate.route
     beside = streams_host(ctx, candidate)
-    slo_streams, past_reach = _streams_objective(ctx, candidate, beside, state, now)
+    slo_streams, past_reach = _once(shared, ("objective", id(beside), candidate.decode_replica, candidate.num_streams > 0),
+                                    lambda: _streams_objective(ctx, candidate, beside, state, now))
     ratios, weights = [prediction.ttft_s / slo_ttft], [1.0]
     own = _chance(state, "ttft", route, prediction.ttft_s, slo_ttft, now)
     if ctx.max_tokens >= 2:
@@ -189,7 +193,8 @@ def score(ctx: RouteContext, candidate: Candidate, prediction: Prediction, state
     own_loss = (1.0 - own) * (1.0 + OVERLOAD_WEIGHT * min(max(ratios[0] - 1.0, 0.0), OVERLOAD_CAP))
     at_stake = max(0, candidate.num_streams - past_reach)  # the streams this route can still cost
     joining = candidate.joining_streams if prediction.streams_tpot_s > 0.0 else 0.0
-    untouched = untouched_gap_s(beside, state, now) if (at_stake or joining or past_reach) and beside else 0.0
+    untouched = (_once(shared, ("untouched", id(beside)), lambda: untouched_gap_s(beside, state, now))
+                 if (at_stake or joining or past_reach) and beside else 0.0)
     streams_loss = 0.0
     if at_stake:  # their margin counts for those decoding there now and those expected to join
         ratio, streams_loss = beside_streams(state, prediction.streams_tpot_s, slo_streams, at_stake, now, untouched)
@@ -219,6 +224,19 @@ def score(ctx: RouteContext, candidate: Candidate, prediction: Prediction, state
         risk += waiters_risk(candidate.blocking_s, ctx.decode.arrival_ttft_objectives)
     return Scored(candidate, prediction, meets, tuple(sorted(1.0 - r for r in ratios)),
                   own_loss + streams_loss + waiting_loss, risk)
+
+
+def _once(shared: dict | None, key: tuple, compute):
+    """`compute()`, kept in `shared` under `key` for the request's other candidates."""
+    if shared is None:
+        return compute()
+    value = shared.get(key, _MISSING)
+    if value is _MISSING:
+        value = shared[key] = compute()
+    return value
+
+
+_MISSING = object()
 
 
 def _streams_objective(ctx: RouteContext, candidate: Candidate, beside: ReplicaLoad | None, state: LearnedState,
@@ -287,8 +305,9 @@ class AutoPolicy(RoutingPolicy):
         self.explore_fraction, self.stale_after_s = explore_fraction, stale_after_s
 
     def decide(self, ctx: RouteContext) -> RouteDecision:
-        scored = [score(ctx, c, corrected(c, self.state, self.now), self.state, self.now) for c in candidates(ctx)
-                  if c.kind != "remote" or ctx.decode_has_room]
+        shared: dict = {}
+        scored = [score(ctx, c, corrected(c, self.state, self.now), self.state, self.now, shared)
+                  for c in candidates(ctx) if c.kind != "remote" or ctx.decode_has_room]
         if not scored:  # a context without replica loads: nothing to price
             return RouteDecision("local", "prefill-unhealthy" if ctx.num_healthy_prefill == 0 else "decode-busy")
         chosen = best(scored)

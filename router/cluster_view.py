@@ -40,6 +40,7 @@ from router.incoming import due_later, due_soon
 from router.overdue import overdue
 from router.prefix_index import PrefixIndex
 from router.prompt_tally import Since, pending
+from router.queue_drain import drain
 from router.replica_info import ReplicaInfo
 from router.replica_load import DEFAULT_CHUNK_TOKENS, ReplicaLoad, from_stats
 from router.replica_queue import MAX_HEARTBEAT_AGE_S, computed, queue_of, wake
@@ -79,6 +80,7 @@ class ClusterView:
         # per replica: its heartbeat parsed (`from_stats`), once per heartbeat rather than per
         # candidate per request (a prefill replica's transfer model has a fit per decode peer)
         self._heartbeat_loads: dict[str, tuple[ReplicaInfo, ReplicaLoad]] = {}
+        self._heartbeat_busy: dict[str, tuple[ReplicaLoad, float]] = {}  # `heartbeat_busy_s`, as above
         self.nodes: dict[str, list[ReplicaInfo]] = {}  # node id -> its healthy replicas (known ids only)
         # per replica: the requests this router placed to decode there lately, each with its TTFT objective
         self.arrivals = ArrivalRate()
@@ -105,6 +107,7 @@ class ClusterView:
         for rate in (self.arrivals, self.prompts):
             rate.forget(set(self.replicas))
         self._heartbeat_loads.clear()
+        self._heartbeat_busy.clear()
         self.nodes = {}
         for r in replicas:
             if r.node_id and r.healthy:
@@ -234,6 +237,15 @@ class ClusterView:
         base = from_stats(replica.replica_id, replica.role, replica.stats, replica.address)
         self._heartbeat_loads[replica.replica_id] = (replica, base)
         return base
+
+    def heartbeat_busy_s(self, replica_id: str, base: ReplicaLoad) -> float:
+        """How long the queue of the replica's last heartbeat (`base`, its `heartbeat_load`)
+        takes to drain (`Drain.busy_s`), priced once per heartbeat: the load of every
+        candidate replica of every request reads it."""
+        cached = self._heartbeat_busy.get(replica_id)
+        if cached is None or cached[0] is not base:
+            cached = self._heartbeat_busy[replica_id] = (base, drain(base).busy_s)
+        return cached[1]
 
     def stream_address(self, replica_id: str | None) -> str | None:
         """The replica's advertised worker stream (workers/stream/client.py), if any."""

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from dataclasses import dataclass
 
 from router.candidate import Candidate, Kind, Prediction, RequestShape
 from router.queue_drain import Drain, Own, Phases, drain, own_prompt
@@ -240,31 +241,54 @@ def _queued_tpot(r: ReplicaLoad, own_steps: float, own_step_s: float, after_step
     return _mean_gap(max(r.queued_tokens_left - 1.0, 1.0), own_steps, max(own_step_s, after_step_s), after_step_s)
 
 
-def _own_tpot(req: RequestShape, d: ReplicaLoad, queue_left: Phases) -> float:
-    """This request's mean gap on `d`, its queue's chunks still running there for `queue_left`."""
-    after = expected_gap_s(d, req.num_sequences * req.decode_cost, req.num_sequences * req.prompt_len)
+def _own_tpot(req: RequestShape, d: ReplicaLoad, queue_left: Phases, gap_with_s: float | None = None) -> float:
+    """This request's mean gap on `d`, its queue's chunks still running there for
+    `queue_left` (`gap_with_s`: `_gap_with(req, d)` when already known)."""
+    after = _gap_with(req, d) if gap_with_s is None else gap_with_s
     return _phased_mean(max(req.max_tokens - 1, 1), tuple((n, max(step, after)) for n, step in queue_left), after)
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeSide:
+    """What every remote candidate of one request shares, priced once: its decode
+    replica's queue and steps, and the streams there beside its decode."""
+
+    queue: Drain  # `drain(d)`
+    step_s: float  # `current_step_s(d)`
+    after_step_s: float  # a decode step of its streams and this request's
+    gap_with_s: float  # `_gap_with(req, d)`: the streams' expected gap once it decodes there
+    streams_phases: Phases  # its queue's steps as the streams wait through them (`as_streams_see`)
+    streams_tpot_s: float  # their mean gap through those, with this request beside them
+
+
+def decode_side(req: RequestShape, d: ReplicaLoad, d_queue: Drain | None = None) -> DecodeSide:
+    queue = d_queue or drain(d)
+    gap_with = _gap_with(req, d)
+    busy = as_streams_see(d, queue.phases)
+    return DecodeSide(queue, current_step_s(d, queue),
+                      decode_step_s(d, req.num_sequences * req.decode_cost, req.num_sequences * req.prompt_len),
+                      gap_with, busy, _streams_tpot(d, busy, gap_with, req))
+
+
 def remote(req: RequestShape, p: ReplicaLoad, d: ReplicaLoad, prefill_cached: int, decode_cached: int,
-           d_queue: Drain | None = None) -> Candidate:
-    """Prefill on `p`, decode on `d` (`d_queue`: `drain(d)` when already known)."""
+           d_queue: Drain | None = None, side: DecodeSide | None = None) -> Candidate:
+    """Prefill on `p`, decode on `d` (`d_queue`: `drain(d)`, `side`: `decode_side(req, d)`,
+    when already known)."""
+    side = side or decode_side(req, d, d_queue)
     joins = joins_node(p, d)
     during_x = added_contention(d, joins)  # while `p` prefills beside it
-    d_queue = d_queue or drain(d)
     start = _start(req, prefill_cached)
     prefill = drain(p, foreground(p, start, req.prompt_len))
     num_bytes = max(0, req.prompt_len - _start(req, decode_cached)) * d.kv_bytes_per_token
     tail = p.tail_to(d.address, num_bytes)
-    after = decode_step_s(d, req.num_sequences * req.decode_cost, req.num_sequences * req.prompt_len)
     # half a step to reserve, half to commit, one to report the first token
-    ttft = prefill.seconds + tail + 2.0 * max(current_step_s(d, d_queue) * during_x, 0.5 * after)
-    tpot = _own_tpot(req, d, _skip(d_queue.phases, ttft))
-    busy = as_streams_see(d, d_queue.phases)
+    ttft = prefill.seconds + tail + 2.0 * max(side.step_s * during_x, 0.5 * side.after_step_s)
+    tpot = _own_tpot(req, d, _skip(side.queue.phases, ttft), side.gap_with_s)
+    streams = side.streams_tpot_s
     if during_x > 1.0 and d.num_streams:  # the prefill slows the streams of its node's decode replica
         gap = expected_gap_s(d) * during_x
-        busy += ((prefill.seconds / gap if gap > 0 else 0.0, gap),)
-    streams = _streams_tpot(d, busy, _gap_with(req, d), req)
+        busy = side.streams_phases + ((prefill.seconds / gap if gap > 0 else 0.0, gap),)
+        streams = _streams_tpot(d, busy, side.gap_with_s, req)
     host_gap = expected_gap_s(p)
     host = max(_streams_tpot(p, as_streams_see(p, prefill.phases), host_gap),
                _queued_tpot(p, prefill.own_steps, prefill.own_step_s, host_gap))
@@ -287,8 +311,8 @@ def _on_decode_replica(kind: Kind, req: RequestShape, d: ReplicaLoad, prefill: D
     gaps beside the prompt chunks still running after its first token, and the streams'
     beside every prompt chunk from now on (the prompts queued ahead decode beside its own)."""
     phases = prefill.phases
-    tpot = _own_tpot(req, d, phases[1:])
     after = _gap_with(req, d)
+    tpot = _own_tpot(req, d, phases[1:], after)
     streams = max(_streams_tpot(d, as_streams_see(d, phases), after, req),
                   _queued_tpot(d, prefill.own_steps, prefill.own_step_s, after))
     joining = d.arrival_rate * prefill.own_s + bisect.bisect_left(d.incoming_due_s, prefill.seconds)

@@ -33,7 +33,7 @@ def queue_of(view: ClusterView, rid: str, base: ReplicaLoad, since: Since, done:
         ran_tokens, ran_work = _ran_since_woken(base, since, min(now - since.woke_at, MAX_HEARTBEAT_AGE_S)
                                                 / slowdown)
     else:
-        ran = share_computed(base, view.heartbeat_age(rid, now) / slowdown)
+        ran = share_computed(base, view.heartbeat_age(rid, now) / slowdown, view.heartbeat_busy_s(rid, base))
         ran_tokens, ran_work = ran * base.queue_tokens, ran * base.queue_work
     return (pending(base.queue_tokens, view.backlog.get(rid, 0) - done.all.tokens, ran_tokens,
                     since.sent.tokens, since.done.tokens),
