@@ -81,6 +81,7 @@ class ClusterView:
         # candidate per request (a prefill replica's transfer model has a fit per decode peer)
         self._heartbeat_loads: dict[str, tuple[ReplicaInfo, ReplicaLoad]] = {}
         self._heartbeat_busy: dict[str, tuple[ReplicaLoad, float]] = {}  # `heartbeat_busy_s`, as above
+        self._woken_busy: dict[str, tuple[ReplicaLoad, int, int, float]] = {}  # `woken_busy_s`
         self.nodes: dict[str, list[ReplicaInfo]] = {}  # node id -> its healthy replicas (known ids only)
         # per replica: the requests this router placed to decode there lately, each with its TTFT objective
         self.arrivals = ArrivalRate()
@@ -108,6 +109,7 @@ class ClusterView:
             rate.forget(set(self.replicas))
         self._heartbeat_loads.clear()
         self._heartbeat_busy.clear()
+        self._woken_busy.clear()
         self.nodes = {}
         for r in replicas:
             if r.node_id and r.healthy:
@@ -210,8 +212,12 @@ class ClusterView:
     def node_busy(self, replica: ReplicaInfo) -> int:
         """The other replicas of `replica`'s node with work now (as this view counts it)."""
         inflight, backlog, me = self.inflight, self.backlog, replica.replica_id  # `load` inlined: per candidate
-        return sum(1 for r in self.nodes.get(replica.node_id, ()) if r.replica_id != me
-                   and (r.load > 0 or inflight.get(r.replica_id, 0) > 0 or backlog.get(r.replica_id, 0) > 0))
+        busy = 0
+        for r in self.nodes.get(replica.node_id, ()):  # a loop, not sum() over a generator: a third faster
+            rid = r.replica_id
+            if rid != me and (r.load > 0 or inflight.get(rid, 0) > 0 or backlog.get(rid, 0) > 0):
+                busy += 1
+        return busy
 
     def incoming_soon(self, replica_id: str, now: float | None = None) -> tuple[int, int]:
         """(sequences, their context tokens) prefilling elsewhere that will decode on
@@ -246,6 +252,16 @@ class ClusterView:
         if cached is None or cached[0] is not base:
             cached = self._heartbeat_busy[replica_id] = (base, drain(base).busy_s)
         return cached[1]
+
+    def woken_busy_s(self, replica_id: str, base: ReplicaLoad, tokens: int, work: int) -> float:
+        """How long the prompts this router sent the replica since it woke (`tokens` of
+        `work`, queued alone beside its last heartbeat's streams) take to drain, priced
+        again only when it sends more (`replica_queue.queue_of`)."""
+        cached = self._woken_busy.get(replica_id)
+        if cached is None or cached[0] is not base or cached[1] != tokens or cached[2] != work:
+            woken = base.evolve(queue_tokens=tokens, queue_work=work, background_tokens=0, background_work=0)
+            cached = self._woken_busy[replica_id] = (base, tokens, work, drain(woken).busy_s)
+        return cached[3]
 
     def stream_address(self, replica_id: str | None) -> str | None:
         """The replica's advertised worker stream (workers/stream/client.py), if any."""

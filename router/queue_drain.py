@@ -276,8 +276,13 @@ def share_computed(r: ReplicaLoad, seconds: float, busy_s: float | None = None) 
     old no longer shows. `busy_s`: `drain(r).busy_s` where already known."""
     if seconds <= 0.0 or r.queue_tokens <= 0:
         return 0.0
-    if busy_s is None:
-        busy_s = drain(r).busy_s
+    return share_of(drain(r).busy_s if busy_s is None else busy_s, seconds)
+
+
+def share_of(busy_s: float, seconds: float) -> float:
+    """The share of a queue that drains in `busy_s` computed after `seconds` (0 to 1)."""
+    if seconds <= 0.0:
+        return 0.0
     return 1.0 if busy_s <= seconds else seconds / busy_s
 
 

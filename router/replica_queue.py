@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from router.prompt_tally import Computed, Since, pending
-from router.queue_drain import share_computed
+from router.queue_drain import share_computed, share_of
 from router.replica_load import ReplicaLoad
 
 if TYPE_CHECKING:
@@ -30,8 +30,8 @@ def queue_of(view: ClusterView, rid: str, base: ReplicaLoad, since: Since, done:
     slowdown = base.coefficients.slowdown(node_busy)
     if since.woke_at is not None and now is not None:  # computing this router's prompts since then
         ran = 1.0
-        ran_tokens, ran_work = _ran_since_woken(base, since, min(now - since.woke_at, MAX_HEARTBEAT_AGE_S)
-                                                / slowdown)
+        ran_tokens, ran_work = _ran_since_woken(view, rid, base, since,
+                                                min(now - since.woke_at, MAX_HEARTBEAT_AGE_S) / slowdown)
     else:
         ran = share_computed(base, view.heartbeat_age(rid, now) / slowdown, view.heartbeat_busy_s(rid, base))
         ran_tokens, ran_work = ran * base.queue_tokens, ran * base.queue_work
@@ -83,13 +83,13 @@ def wake(view: ClusterView, replica_id: str, at: float, background: bool) -> Non
         since.wake(at)
 
 
-def _ran_since_woken(base: ReplicaLoad, since: Since, seconds: float) -> tuple[float, float]:
+def _ran_since_woken(view: ClusterView, rid: str, base: ReplicaLoad, since: Since,
+                     seconds: float) -> tuple[float, float]:
     """Prompt tokens (and work) computed on a replica `seconds` after it woke: the
     reported queue and what this router sent before were done by then, and the prompts it
     sent since have drained at their pace (`share_computed`)."""
     tokens = since.sent.tokens - since.sent_before.tokens
     work = since.sent.work - since.sent_before.work
-    share = share_computed(base.evolve(queue_tokens=tokens, queue_work=work, background_tokens=0,
-                                       background_work=0), seconds)
+    share = share_of(view.woken_busy_s(rid, base, tokens, work), seconds) if tokens > 0 else 0.0
     return (base.queue_tokens + since.sent_before.tokens + share * tokens,
             base.queue_work + since.sent_before.work + share * work)

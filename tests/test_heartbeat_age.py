@@ -129,6 +129,16 @@ def test_prompts_placed_behind_it_drain_after_it():
     assert view.load_of(p1, POLICY_NOW + 0.22).queue_tokens == 300  # 200 of the 500 computed
 
 
+def test_a_read_between_two_prompts_changes_nothing():
+    """The drain of what was sent since the replica woke is kept between reads: a prompt
+    sent after a read is priced with it all the same."""
+    view, p1 = _view(0, 0.0)
+    _placed(view, "p1", 300, POLICY_NOW)
+    assert view.load_of(p1, POLICY_NOW + 0.1).queue_tokens < 300
+    _placed(view, "p1", 200, POLICY_NOW + 0.11)
+    assert view.load_of(p1, POLICY_NOW + 0.22).queue_tokens == 300  # as read without the first read
+
+
 def test_a_prompt_placed_on_a_busy_replica_starts_no_clock():
     view, p1 = _view(500, 0.0)
     _placed(view, "p1", 300, POLICY_NOW)
