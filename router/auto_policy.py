@@ -68,6 +68,7 @@ from router.bystanders import (
     joiners_loss,
     joiners_risk,
     past_reach_loss,
+    stream_objective_s,
     untouched_gap_s,
     waiters_loss,
     waiters_risk,
@@ -114,14 +115,14 @@ def candidates(ctx: RouteContext) -> list[Candidate]:
 
 def stream_slo_s(ctx: RouteContext, floor_s: float = 0.0, r: ReplicaLoad | None = None) -> tuple[float, int]:
     """The mean gap the streams on the decode replica (or `r`) still in reach can afford,
-    and how many are past reach (`predict.stream_objective_s`: those that need less than
+    and how many are past reach (`bystanders.stream_objective_s`: those that need less than
     `floor_s`, the gap they see with nothing added); this workload's TPOT objective where
     no stream's allowance is known."""
     default = ctx.slo.tpot_ms / 1000.0
     r = r or ctx.decode
     if r is None:
         return default, 0
-    return predict.stream_objective_s(r, default, floor_s)
+    return stream_objective_s(r, default, floor_s)
 
 
 def chunk_objective_s(ctx: RouteContext) -> float:
@@ -269,7 +270,7 @@ def _host_objective(ctx: RouteContext, candidate: Candidate, state: LearnedState
     if host is None:
         return default, 0
     floor = predict.decode_step_s(host) * state.factor("tpot", STREAMS, host.replica_id, now)
-    return predict.stream_objective_s(host, default, floor)
+    return stream_objective_s(host, default, floor)
 
 
 def _chance(state: LearnedState, metric: str, key: str, predicted_s: float, objective_s: float,

@@ -6,11 +6,13 @@ decode replica's foreground lane.
 Each is counted two ways for `router/auto_policy.py`: as expected goodput lost (how much
 the candidate adds to a request's chance of missing its objective, from the spread of
 the streams' recent outcomes around their predictions) and as a margin at risk
-(`at_risk`: exp(-slack / SLACK_SCALE)).
+(`at_risk`: exp(-slack / SLACK_SCALE)). Which of the streams are still in reach, and
+what the tightest of those can afford, is `stream_objective_s`.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 
 from router import predict
@@ -24,6 +26,22 @@ from router.replica_load import ReplicaLoad
 # landed 0.2-0.25 off, median, on 2 shared cores).
 SLACK_SCALE = 0.25
 MAX_RISK_EXPONENT = 50.0
+
+
+def stream_objective_s(d: ReplicaLoad, default_s: float, floor_s: float) -> tuple[float, int]:
+    """The mean gap the streams on `d` still in reach can afford, and how many of them are
+    past reach. A stream whose allowance is below `floor_s` (the gap it sees with nothing
+    added, `expected_gap_s`) misses its objective whatever is placed beside it: it neither
+    sets the others' objective nor counts as lost to any one route. `default_s` (this
+    workload's objective) for the streams whose allowance is unknown (another router's,
+    or any this router placed without one); infinity when every stream is past reach."""
+    allowances = d.stream_allowances
+    if not allowances:
+        return default_s, 0
+    past = bisect.bisect_left(allowances, floor_s)
+    if past < len(allowances):
+        return allowances[past], past
+    return (default_s if d.num_streams + d.queued_streams > past else math.inf), past
 
 
 def beside_streams(state: LearnedState, tpot_s: float, objective_s: float, at_stake: int, now: float,

@@ -40,10 +40,9 @@ from router.incoming import due_later, due_soon
 from router.overdue import overdue
 from router.prefix_index import PrefixIndex
 from router.prompt_tally import Since, pending
-from router.queue_drain import drain
 from router.replica_info import ReplicaInfo
 from router.replica_load import DEFAULT_CHUNK_TOKENS, ReplicaLoad, from_stats
-from router.replica_queue import MAX_HEARTBEAT_AGE_S, computed, queue_of, wake
+from router.replica_queue import MAX_HEARTBEAT_AGE_S, QueueDrains, computed, queue_of, wake
 
 if TYPE_CHECKING:
     from router.placement import Placement
@@ -80,8 +79,7 @@ class ClusterView:
         # per replica: its heartbeat parsed (`from_stats`), once per heartbeat rather than per
         # candidate per request (a prefill replica's transfer model has a fit per decode peer)
         self._heartbeat_loads: dict[str, tuple[ReplicaInfo, ReplicaLoad]] = {}
-        self._heartbeat_busy: dict[str, tuple[ReplicaLoad, float]] = {}  # `heartbeat_busy_s`, as above
-        self._woken_busy: dict[str, tuple[ReplicaLoad, int, int, float]] = {}  # `woken_busy_s`
+        self.drains = QueueDrains()  # what a heartbeat's queue, and what was sent since, take to drain
         self.nodes: dict[str, list[ReplicaInfo]] = {}  # node id -> its healthy replicas (known ids only)
         # per replica: the requests this router placed to decode there lately, each with its TTFT objective
         self.arrivals = ArrivalRate()
@@ -108,8 +106,7 @@ class ClusterView:
         for rate in (self.arrivals, self.prompts):
             rate.forget(set(self.replicas))
         self._heartbeat_loads.clear()
-        self._heartbeat_busy.clear()
-        self._woken_busy.clear()
+        self.drains.clear()
         self.nodes = {}
         for r in replicas:
             if r.node_id and r.healthy:
@@ -243,25 +240,6 @@ class ClusterView:
         base = from_stats(replica.replica_id, replica.role, replica.stats, replica.address)
         self._heartbeat_loads[replica.replica_id] = (replica, base)
         return base
-
-    def heartbeat_busy_s(self, replica_id: str, base: ReplicaLoad) -> float:
-        """How long the queue of the replica's last heartbeat (`base`, its `heartbeat_load`)
-        takes to drain (`Drain.busy_s`), priced once per heartbeat: the load of every
-        candidate replica of every request reads it."""
-        cached = self._heartbeat_busy.get(replica_id)
-        if cached is None or cached[0] is not base:
-            cached = self._heartbeat_busy[replica_id] = (base, drain(base).busy_s)
-        return cached[1]
-
-    def woken_busy_s(self, replica_id: str, base: ReplicaLoad, tokens: int, work: int) -> float:
-        """How long the prompts this router sent the replica since it woke (`tokens` of
-        `work`, queued alone beside its last heartbeat's streams) take to drain, priced
-        again only when it sends more (`replica_queue.queue_of`)."""
-        cached = self._woken_busy.get(replica_id)
-        if cached is None or cached[0] is not base or cached[1] != tokens or cached[2] != work:
-            woken = base.evolve(queue_tokens=tokens, queue_work=work, background_tokens=0, background_work=0)
-            cached = self._woken_busy[replica_id] = (base, tokens, work, drain(woken).busy_s)
-        return cached[3]
 
     def stream_address(self, replica_id: str | None) -> str | None:
         """The replica's advertised worker stream (workers/stream/client.py), if any."""

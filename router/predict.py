@@ -39,7 +39,7 @@ A stream's TPOT is its mean gap over the tokens it has left, so the prediction f
 streams beside a prefill averages the slower mixed steps into the rest of their life
 (and the request's own decode into as many of their gaps as it generates tokens),
 and it is held to what the tightest of them still in reach can afford
-(`stream_objective_s`: a stream's objective less what its gaps so far already took,
+(`bystanders.stream_objective_s`: a stream's objective less what its gaps so far already took,
 spread over its tokens left; one that cannot make it even with nothing added is past
 reach and sets nothing); a decode step there is the expected gap (`expected_gap_s`):
 the step of the moment blended with the gap the replica's streams saw lately, and a step
@@ -56,7 +56,6 @@ Everything here is pure arithmetic over plain data: no clock, no I/O.
 from __future__ import annotations
 
 import bisect
-import math
 from dataclasses import dataclass
 
 from router.candidate import Candidate, Kind, Prediction, RequestShape
@@ -334,22 +333,6 @@ def _joiner_tpot(req: RequestShape, prefill: Drain, after_step_s: float) -> floa
     a token against 74 (bench cluster run BP, load shift)."""
     slow_steps = 0.5 * prefill.own_steps
     return _mean_gap(max(req.max_tokens - 1, 1), slow_steps, max(prefill.own_step_s, after_step_s), after_step_s)
-
-
-def stream_objective_s(d: ReplicaLoad, default_s: float, floor_s: float) -> tuple[float, int]:
-    """The mean gap the streams on `d` still in reach can afford, and how many of them are
-    past reach. A stream whose allowance is below `floor_s` (the gap it sees with nothing
-    added, `expected_gap_s`) misses its objective whatever is placed beside it: it neither
-    sets the others' objective nor counts as lost to any one route. `default_s` (this
-    workload's objective) for the streams whose allowance is unknown (another router's,
-    or any this router placed without one); infinity when every stream is past reach."""
-    allowances = d.stream_allowances
-    if not allowances:
-        return default_s, 0
-    past = bisect.bisect_left(allowances, floor_s)
-    if past < len(allowances):
-        return allowances[past], past
-    return (default_s if d.num_streams + d.queued_streams > past else math.inf), past
 
 
 def background_chunk(req: RequestShape, d: ReplicaLoad, stream_tpot_slo_s: float) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from router.prompt_tally import Computed, Since, pending
-from router.queue_drain import share_computed, share_of
+from router.queue_drain import drain, share_computed, share_of
 from router.replica_load import ReplicaLoad
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ def queue_of(view: ClusterView, rid: str, base: ReplicaLoad, since: Since, done:
         ran_tokens, ran_work = _ran_since_woken(view, rid, base, since,
                                                 min(now - since.woke_at, MAX_HEARTBEAT_AGE_S) / slowdown)
     else:
-        ran = share_computed(base, view.heartbeat_age(rid, now) / slowdown, view.heartbeat_busy_s(rid, base))
+        ran = share_computed(base, view.heartbeat_age(rid, now) / slowdown, view.drains.heartbeat_busy_s(rid, base))
         ran_tokens, ran_work = ran * base.queue_tokens, ran * base.queue_work
     return (pending(base.queue_tokens, view.backlog.get(rid, 0) - done.all.tokens, ran_tokens,
                     since.sent.tokens, since.done.tokens),
@@ -90,6 +90,38 @@ def _ran_since_woken(view: ClusterView, rid: str, base: ReplicaLoad, since: Sinc
     sent since have drained at their pace (`share_computed`)."""
     tokens = since.sent.tokens - since.sent_before.tokens
     work = since.sent.work - since.sent_before.work
-    share = share_of(view.woken_busy_s(rid, base, tokens, work), seconds) if tokens > 0 else 0.0
+    share = share_of(view.drains.woken_busy_s(rid, base, tokens, work), seconds) if tokens > 0 else 0.0
     return (base.queue_tokens + since.sent_before.tokens + share * tokens,
             base.queue_work + since.sent_before.work + share * work)
+
+
+class QueueDrains:
+    """How long a replica's queue takes to drain, kept between reads: every candidate
+    replica of every request ages its last heartbeat's queue by it, and a woken replica
+    the prompts this router sent it since. Each is priced again only when its inputs
+    change (a new heartbeat, another prompt sent); `ClusterView.update` clears them."""
+
+    def __init__(self) -> None:
+        self._heartbeat: dict[str, tuple[ReplicaLoad, float]] = {}
+        self._woken: dict[str, tuple[ReplicaLoad, int, int, float]] = {}
+
+    def clear(self) -> None:
+        self._heartbeat.clear()
+        self._woken.clear()
+
+    def heartbeat_busy_s(self, replica_id: str, base: ReplicaLoad) -> float:
+        """`Drain.busy_s` of the queue of the replica's last heartbeat (`base`, its
+        `ClusterView.heartbeat_load`)."""
+        cached = self._heartbeat.get(replica_id)
+        if cached is None or cached[0] is not base:
+            cached = self._heartbeat[replica_id] = (base, drain(base).busy_s)
+        return cached[1]
+
+    def woken_busy_s(self, replica_id: str, base: ReplicaLoad, tokens: int, work: int) -> float:
+        """`Drain.busy_s` of the prompts this router sent the replica since it woke
+        (`tokens` of `work`, queued alone beside its last heartbeat's streams)."""
+        cached = self._woken.get(replica_id)
+        if cached is None or cached[0] is not base or cached[1] != tokens or cached[2] != work:
+            woken = base.evolve(queue_tokens=tokens, queue_work=work, background_tokens=0, background_work=0)
+            cached = self._woken[replica_id] = (base, tokens, work, drain(woken).busy_s)
+        return cached[3]

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from cluster.config import SLO, WorkloadProfile
 from router import predict
-from router.auto_policy import candidates, corrected, in_explore_bucket, score
+from router.auto_policy import candidates, corrected, in_explore_bucket
 from router.candidate import LONG_PROMPT_KEY, Candidate, Prediction, RequestShape
 from router.corrections import EMPTY, PRIOR_SPREAD, Corrections, Outcome
 from router.policy import RequestWork, RouteContext
@@ -397,26 +397,3 @@ def test_a_decode_replica_whose_steps_cost_nothing_still_prices_a_remote_prefill
     candidate = predict.remote(RequestShape(1, 1), replica("p1", "prefill", coefficients=free), d, 0, 0)
     assert candidate.prediction.tpot_s >= 0.0
 
-
-HOST_STREAMS = {"num_streams": 2, "stream_context": 2 * 300, "stream_tokens_left": 20.0, "recent_gap_s": 0.02}
-BOTH_DECODE = ctx(decode=replica("d1", recent_gap_s=0.012, **BUSY_STREAMS), slo=SLO(ttft_ms=2000, tpot_ms=14),
-                  prefills=(replica("p1", "prefill", **HOST_STREAMS), replica("p2", "prefill", queue_tokens=900)),
-                  whole=replica("p1", "prefill", **HOST_STREAMS), whole_cached_tokens=0)
-
-
-@pytest.mark.parametrize("name, context", [(row[0], row[1]) for row in TABLE]
-                         + [("streams on the decode replica and on the one a request may run whole", BOTH_DECODE)])
-def test_pricing_once_per_request_changes_no_score(name, context):
-    """What the candidates of one request read alike (the decode replica's queue and
-    streams, the streams' objective and their untouched gap) is priced once for all of
-    them: each scores exactly as it does priced on its own."""
-    state = _measured("local", 5.0)
-    state.observe(Outcome("disagg", "p1", "d1", 0.1, 0.13, 0.01, 0.012), 5.0)
-    snapshot, shared = state.snapshot(), {}
-    for c in candidates(context):
-        prediction = corrected(c, snapshot, 5.0)
-        assert score(context, c, prediction, snapshot, 5.0, shared) == score(context, c, prediction, snapshot, 5.0)
-        if c.kind == "remote":
-            p = next(p for p in context.prefills if p.replica_id == c.prefill_replica)
-            assert predict.remote(context.shape, p, context.decode, 0, 0) == c  # without the shared decode side
-    assert shared or not context.decode.num_streams

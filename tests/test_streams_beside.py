@@ -19,6 +19,7 @@ import pytest
 from cluster.config import SLO, WorkloadProfile
 from router import predict
 from router.auto_policy import candidates, score
+from router.bystanders import stream_objective_s
 from router.candidate import RequestShape
 from router.cluster_view import ClusterView, ReplicaInfo
 from router.placement import PolicyInputs, place
@@ -57,14 +58,14 @@ def test_the_view_lists_each_streams_allowance_with_those_past_reach_at_zero():
     ((0.012, 0.03), 0.009, (0.012, 0)),
 ])
 def test_the_objective_is_the_least_allowance_still_in_reach(allowances, floor, expected):
-    assert predict.stream_objective_s(replica("d1", stream_allowances=allowances), 0.05, floor) == expected
+    assert stream_objective_s(replica("d1", stream_allowances=allowances), 0.05, floor) == expected
 
 
 def test_without_allowances_the_workloads_objective_stands():
-    assert predict.stream_objective_s(replica("d1"), 0.05, 0.009) == (0.05, 0)
+    assert stream_objective_s(replica("d1"), 0.05, 0.009) == (0.05, 0)
     # every known allowance past reach, one stream of three without one: it is held to the workload's
     beside_unknown = replica("d1", stream_allowances=(0.0, 0.004), num_streams=3)
-    assert predict.stream_objective_s(beside_unknown, 0.05, 0.009) == (0.05, 2)
+    assert stream_objective_s(beside_unknown, 0.05, 0.009) == (0.05, 2)
 
 
 def test_streams_without_a_known_allowance_still_count_where_the_others_are_past_reach():
@@ -102,7 +103,7 @@ def test_one_stream_past_reach_no_longer_makes_every_route_break_the_others():
     decision = decide(ctx(decode=_busy(MIXED), slo=TIGHT))
     assert (decision.route, decision.reason, decision.candidate.kind) == ("disagg", "slo-disagg", "remote")
     assert decision.prediction.streams_tpot_s > 0.004
-    assert predict.stream_objective_s(_busy(MIXED), 0.05, 0.0) == (0.004, 0)
+    assert stream_objective_s(_busy(MIXED), 0.05, 0.0) == (0.004, 0)
     # a foreground prefill of 2,000 tokens breaks the streams in reach, and only those count
     losses = {}
     for name, allowances in (("mixed", MIXED), ("all in reach", (0.012,) * 8)):
@@ -350,7 +351,7 @@ def test_streams_just_past_reach_still_lose_what_a_prompts_chunks_add():
     def scored(allowance: float) -> dict:
         near = replica("d1", stream_allowances=(allowance,) * 8, **BUSY_STREAMS)
         context = ctx(prompt_len=1500, slo=slo, decode=near)
-        assert predict.stream_objective_s(near, 0.0088, predict.decode_step_s(near))[1] == 8  # all past reach
+        assert stream_objective_s(near, 0.0088, predict.decode_step_s(near))[1] == 8  # all past reach
         return {c.kind: score(context, c, c.prediction) for c in candidates(context)}, decide(context)
 
     near, decision = scored(0.0088)
