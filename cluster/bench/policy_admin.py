@@ -19,6 +19,7 @@ import httpx
 from cluster.loadtest.config import SLO
 from cluster.local.apps import workload_profile
 from cluster.local.traffic import WORKLOAD_PREFIX
+from router.decision_log import DECISION_LOG_SIZE
 
 
 @contextlib.contextmanager
@@ -62,7 +63,7 @@ class PolicyAdmin:
     def decisions(self) -> dict:
         """GET /admin/decisions: the router's routing decisions since the last reset (up to
         its log's size), each with every candidate it priced."""
-        return self._call("GET", "/admin/decisions?limit=512")
+        return self._call("GET", f"/admin/decisions?limit={DECISION_LOG_SIZE}")
 
     def _call(self, method: str, path: str, **kwargs) -> dict:
         resp = httpx.request(method, self.url + path, headers=self._headers, timeout=30, **kwargs)

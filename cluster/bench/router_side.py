@@ -12,8 +12,6 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable
 
-LOG_LIMIT = 512  # what `GET /admin/decisions` returns at most (the router keeps as many)
-
 
 def run_decisions(log: dict, started_at: float) -> dict:
     """`GET /admin/decisions`' answer cut to the decisions made from `started_at` (Unix
@@ -24,8 +22,8 @@ def run_decisions(log: dict, started_at: float) -> dict:
 def router_side_figures(decisions: list[dict], request_ids: Iterable[str]) -> dict[str, float | None]:
     """The median router-side and worker TTFT (ms) of the run's requests (`request_ids`,
     as the load tester named them: the router's ids carry the run's prefix before them),
-    and how many of them the log held (a run of more requests than `LOG_LIMIT` keeps its
-    last ones)."""
+    and how many of them the log held (a run of more requests than
+    `decision_log.DECISION_LOG_SIZE` keeps its last ones)."""
     wanted = set(request_ids)
     mine = [d for d in decisions if _origin(d.get("request_id", "")) in wanted]
     return {"router_ttft_p50_ms": _median(d.get("measured_ttft_ms") for d in mine),
