@@ -270,10 +270,9 @@ def decode_side(req: RequestShape, d: ReplicaLoad, d_queue: Drain | None = None)
 
 
 def remote(req: RequestShape, p: ReplicaLoad, d: ReplicaLoad, prefill_cached: int, decode_cached: int,
-           d_queue: Drain | None = None, side: DecodeSide | None = None) -> Candidate:
-    """Prefill on `p`, decode on `d` (`d_queue`: `drain(d)`, `side`: `decode_side(req, d)`,
-    when already known)."""
-    side = side or decode_side(req, d, d_queue)
+           side: DecodeSide | None = None) -> Candidate:
+    """Prefill on `p`, decode on `d` (`side`: `decode_side(req, d)` when already known)."""
+    side = side or decode_side(req, d)
     joins = joins_node(p, d)
     during_x = added_contention(d, joins)  # while `p` prefills beside it
     start = _start(req, prefill_cached)

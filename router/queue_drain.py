@@ -270,17 +270,10 @@ def _background(lanes: _Lanes, own: Own) -> Drain:
     return Drain(seconds, done_at, busy_steps, busy_s, own_steps, own_steps * lanes.per + own_cost)
 
 
-def share_computed(r: ReplicaLoad, seconds: float, busy_s: float | None = None) -> float:
-    """The share of `r`'s queued prompt tokens (and their work) computed `seconds` after
-    its state was taken, at the pace its queue drains (0 to 1): what a heartbeat that
-    old no longer shows. `busy_s`: `drain(r).busy_s` where already known."""
-    if seconds <= 0.0 or r.queue_tokens <= 0:
-        return 0.0
-    return share_of(drain(r).busy_s if busy_s is None else busy_s, seconds)
-
-
 def share_of(busy_s: float, seconds: float) -> float:
-    """The share of a queue that drains in `busy_s` computed after `seconds` (0 to 1)."""
+    """The share of a queue that drains in `busy_s` (its `Drain.busy_s`) computed
+    `seconds` after its state was taken, at that pace (0 to 1): what a heartbeat that old
+    no longer shows."""
     if seconds <= 0.0:
         return 0.0
     return 1.0 if busy_s <= seconds else seconds / busy_s

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from router.prompt_tally import Computed, Since, pending
-from router.queue_drain import drain, share_computed, share_of
+from router.queue_drain import drain, share_of
 from router.replica_load import ReplicaLoad
 
 if TYPE_CHECKING:
@@ -33,7 +33,8 @@ def queue_of(view: ClusterView, rid: str, base: ReplicaLoad, since: Since, done:
         ran_tokens, ran_work = _ran_since_woken(view, rid, base, since,
                                                 min(now - since.woke_at, MAX_HEARTBEAT_AGE_S) / slowdown)
     else:
-        ran = share_computed(base, view.heartbeat_age(rid, now) / slowdown, view.drains.heartbeat_busy_s(rid, base))
+        seconds = view.heartbeat_age(rid, now) / slowdown
+        ran = share_of(view.drains.heartbeat_busy_s(rid, base), seconds) if base.queue_tokens > 0 else 0.0
         ran_tokens, ran_work = ran * base.queue_tokens, ran * base.queue_work
     return (pending(base.queue_tokens, view.backlog.get(rid, 0) - done.all.tokens, ran_tokens,
                     since.sent.tokens, since.done.tokens),
@@ -87,7 +88,7 @@ def _ran_since_woken(view: ClusterView, rid: str, base: ReplicaLoad, since: Sinc
                      seconds: float) -> tuple[float, float]:
     """Prompt tokens (and work) computed on a replica `seconds` after it woke: the
     reported queue and what this router sent before were done by then, and the prompts it
-    sent since have drained at their pace (`share_computed`)."""
+    sent since have drained at their pace (`share_of`)."""
     tokens = since.sent.tokens - since.sent_before.tokens
     work = since.sent.work - since.sent_before.work
     share = share_of(view.drains.woken_busy_s(rid, base, tokens, work), seconds) if tokens > 0 else 0.0
