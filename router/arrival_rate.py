@@ -15,7 +15,7 @@ The other way round, a stream slows down where prompts keep arriving: a request 
 on an idle prefill replica decodes there beside the remote prefills sent after it, each a
 few full-budget chunks. In `bench cluster`'s load-shift run a 1,476-token request placed
 so, predicted at 20 ms a token, decoded at 144 beside one 2,002-token remote prefill;
-`router/predict.py` prices a stream's gap with the share of the replica's time that the
+`router/replica_steps.py` prices a stream's gap with the share of the replica's time that the
 prompts arriving at their recent pace take.
 """
 

@@ -60,7 +60,7 @@ import math
 import zlib
 from dataclasses import dataclass
 
-from router import predict
+from router import predict, replica_steps
 from router.burst_risk import burst_miss_chance
 from router.bystanders import (
     at_risk,
@@ -141,7 +141,7 @@ def chunk_objective_s(ctx: RouteContext) -> float:
     d = ctx.decode
     if d is None:
         return ctx.slo.tpot_ms / 1000.0
-    floor = predict.decode_step_s(d)
+    floor = replica_steps.decode_step_s(d)
     objective, _ = stream_slo_s(ctx, floor)
     if math.isfinite(objective):
         return objective
@@ -254,7 +254,7 @@ def _streams_objective(ctx: RouteContext, candidate: Candidate, beside: ReplicaL
     decoded at 40-90 ms a token against 26 (bench cluster run AY, tight_tpot)."""
     if not candidate.num_streams or beside is None:
         return math.inf, 0
-    floor = predict.decode_step_s(beside) * state.factor("tpot", STREAMS, candidate.decode_replica, now)
+    floor = replica_steps.decode_step_s(beside) * state.factor("tpot", STREAMS, candidate.decode_replica, now)
     return stream_slo_s(ctx, floor, beside)
 
 
@@ -269,7 +269,7 @@ def _host_objective(ctx: RouteContext, candidate: Candidate, state: LearnedState
     default = ctx.slo.tpot_ms / 1000.0
     if host is None:
         return default, 0
-    floor = predict.decode_step_s(host) * state.factor("tpot", STREAMS, host.replica_id, now)
+    floor = replica_steps.decode_step_s(host) * state.factor("tpot", STREAMS, host.replica_id, now)
     return stream_objective_s(host, default, floor)
 
 

@@ -2,7 +2,7 @@
 
 Remote prefills arrive at a prefill replica in lumps: one long prompt, computed in a few
 full-budget chunks, stalls a request decoding there for seconds, which a mean stretch of
-its gaps (`predict.prompt_share`) prices at a few percent. `auto` multiplies the `whole`
+its gaps (`replica_steps.prompt_share`) prices at a few percent. `auto` multiplies the `whole`
 candidate's chance of meeting its TPOT objective by the chance that no such prompt lands
 while it decodes.
 """

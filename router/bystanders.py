@@ -15,7 +15,7 @@ from __future__ import annotations
 import bisect
 import math
 
-from router import predict
+from router import replica_steps
 from router.arrival_rate import WINDOW_S as ARRIVAL_WINDOW_S
 from router.candidate import Prediction
 from router.corrections import STREAMS, LearnedState
@@ -94,9 +94,9 @@ def _miss(state: LearnedState, tpot_s: float, objective_s: float, now: float) ->
 
 
 def untouched_gap_s(r: ReplicaLoad, state: LearnedState, now: float) -> float:
-    """The gap the streams on `r` see with nothing added (`predict.expected_gap_s`),
+    """The gap the streams on `r` see with nothing added (`replica_steps.expected_gap_s`),
     rescaled as their TPOT is."""
-    return predict.expected_gap_s(r) * state.factor("tpot", STREAMS, r.replica_id, now)
+    return replica_steps.expected_gap_s(r) * state.factor("tpot", STREAMS, r.replica_id, now)
 
 
 def joiners_loss(state: LearnedState, tpot_s: float, objective_s: float, joining: float, untouched_s: float,

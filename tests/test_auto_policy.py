@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cluster.config import SLO, WorkloadProfile
-from router import predict
+from router import predict, replica_steps
 from router.auto_policy import candidates, corrected, in_explore_bucket
 from router.candidate import LONG_PROMPT_KEY, Candidate, Prediction, RequestShape
 from router.corrections import EMPTY, PRIOR_SPREAD, Corrections, Outcome
@@ -109,7 +109,7 @@ def test_the_background_chunk_keeps_the_streams_inside_their_objective():
     d = replica("d1", **BUSY_STREAMS)
     for slo_ms in (10, 20, 50):
         chunk = predict.background_chunk(RequestShape(1000, 32), d, slo_ms / 1000)
-        step = predict.step_s(COEFFS, chunk, 0, d.num_streams, d.stream_context)
+        step = replica_steps.step_s(COEFFS, chunk, 0, d.num_streams, d.stream_context)
         assert step <= slo_ms / 1000 * predict.STREAM_TPOT_MARGIN + 1e-9 or chunk == 1
 
 
@@ -385,10 +385,10 @@ def test_a_prefill_replica_on_the_streams_own_node_slows_them_as_a_local_prefill
 def test_one_more_busy_neighbour_slows_a_replica_by_its_share():
     shared = dataclasses.replace(COEFFS, node_contention=0.5)
     quiet = replica("d1", coefficients=shared, node_id="n1")
-    assert predict.added_contention(quiet, 0.0) == 1.0
-    assert predict.added_contention(quiet, 1.0) == pytest.approx(1.5)
+    assert replica_steps.added_contention(quiet, 0.0) == 1.0
+    assert replica_steps.added_contention(quiet, 1.0) == pytest.approx(1.5)
     crowded = replica("d1", coefficients=shared.slowed(1.0), node_id="n1", node_busy=1.0)  # as ClusterView builds it
-    assert predict.added_contention(crowded, 1.0) == pytest.approx(2.0 / 1.5)  # 1 + 0.5 x 2 over 1 + 0.5 x 1
+    assert replica_steps.added_contention(crowded, 1.0) == pytest.approx(2.0 / 1.5)  # 1 + 0.5 x 2 over 1 + 0.5 x 1
 
 
 def test_a_decode_replica_whose_steps_cost_nothing_still_prices_a_remote_prefill():

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from cluster.config import SLO
-from router import predict
+from router import replica_steps
 from router.auto_policy import candidates, chunk_objective_s
 from tests.test_auto_policy import ctx, replica
 from workers.engine.cost_model import StepCoefficients
@@ -58,6 +58,6 @@ def test_an_objective_below_the_decode_step_sizes_no_chunk():
     prompt while an idle prefill pool waits."""
     below = SLO(ttft_ms=20_000, tpot_ms=10)
     context = ctx(prompt_len=1470, slo=below, decode=replica("d1", **_stretched((0.0, 0.0, 0.01))))
-    assert predict.decode_step_s(context.decode) > 0.010
+    assert replica_steps.decode_step_s(context.decode) > 0.010
     assert chunk_objective_s(context) == math.inf
     assert _chunk(context) == 512 - 3

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from router import predict
+from router import predict, replica_steps
 from router.candidate import RequestShape
 from router.queue_drain import drain
 from router.replica_load import ReplicaLoad
@@ -29,17 +29,17 @@ def _ttft(d: ReplicaLoad) -> float:
 def test_behind_a_decode_step_it_waits_half_of_it():
     d = _decode()
     own = drain(d, predict.foreground(d, 0, OWN.prompt_len)).seconds
-    assert _ttft(d) == pytest.approx(own + 0.5 * predict.decode_step_s(d))
+    assert _ttft(d) == pytest.approx(own + 0.5 * replica_steps.decode_step_s(d))
 
 
 def test_behind_a_queued_prompt_the_step_in_flight_is_that_prompts_and_counts_once():
     d = _decode(queue_tokens=120, queue_work=120 * 60)
     assert _ttft(d) == pytest.approx(drain(d, predict.foreground(d, 0, OWN.prompt_len)).seconds)
-    assert predict.in_flight_wait_s(d) == 0.0
+    assert replica_steps.in_flight_wait_s(d) == 0.0
 
 
 def test_behind_a_background_prefill_alone_it_waits_half_a_step_with_its_chunk():
     d = _decode(queue_tokens=300, queue_work=300 * 150, background_tokens=300, background_work=300 * 150,
                 background_chunk_tokens=16)
-    assert predict.in_flight_wait_s(d) == pytest.approx(0.5 * predict.current_step_s(d))
-    assert predict.current_step_s(d) > predict.decode_step_s(d)
+    assert replica_steps.in_flight_wait_s(d) == pytest.approx(0.5 * replica_steps.current_step_s(d))
+    assert replica_steps.current_step_s(d) > replica_steps.decode_step_s(d)

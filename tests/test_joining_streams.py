@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from cluster.config import SLO
+from router import replica_steps
 from router.arrival_rate import ArrivalRate
 from router.candidate import RequestShape
 from tests.test_auto_policy import ctx, replica
@@ -187,7 +188,7 @@ def test_an_idle_decode_replica_with_remote_prefills_due_offers_a_background_pre
     due = context((1.57, 2.61))
     scored = {c.kind: score(due, c, c.prediction) for c in candidates(due)}
     background, local = scored["background"].candidate, scored["local"].candidate
-    one_step = predict.decode_step_s(due.decode, 1.0, 1317)
+    one_step = replica_steps.decode_step_s(due.decode, 1.0, 1317)
     chunk_cost = background.chunk_tokens * (decode_model.prefill_token_s + decode_model.prefill_attention_s * 1317)
     assert chunk_cost <= one_step * predict.IDLE_CHUNK_DECODE_STEPS
     assert background.prediction.streams_tpot_s < 0.053 < local.prediction.streams_tpot_s

@@ -11,7 +11,7 @@ import math
 import pytest
 
 from cluster.config import SLO
-from router import predict
+from router import replica_steps
 from router.arrival_rate import MAX_KEPT, ArrivalRate
 from router.arrival_rate import WINDOW_S as ARRIVAL_WINDOW_S
 from router.burst_risk import burst_miss_chance
@@ -73,15 +73,15 @@ def test_the_view_counts_the_prompt_tokens_placed_to_be_computed_on_a_replica():
 def test_a_stream_where_prompts_keep_arriving_waits_for_their_chunks():
     quiet = replica("p1", "prefill")
     busy = dataclasses.replace(quiet, prompt_token_rate=5000.0)  # half its time at 0.1 ms a token
-    assert predict.prompt_share(quiet) == 0.0 and predict.prompt_share(busy) == pytest.approx(0.5)
-    assert predict.expected_gap_s(busy, 1, 100) == pytest.approx(2.0 * predict.expected_gap_s(quiet, 1, 100))
+    assert replica_steps.prompt_share(quiet) == 0.0 and replica_steps.prompt_share(busy) == pytest.approx(0.5)
+    assert replica_steps.expected_gap_s(busy, 1, 100) == pytest.approx(2.0 * replica_steps.expected_gap_s(quiet, 1, 100))
     saturated = dataclasses.replace(quiet, prompt_token_rate=1e9)
-    assert predict.prompt_share(saturated) == predict.MAX_PROMPT_SHARE
+    assert replica_steps.prompt_share(saturated) == replica_steps.MAX_PROMPT_SHARE
     # streams that saw gaps lately: those were in steps that only decoded, so they stretch too
     seen = dataclasses.replace(busy, num_streams=1, stream_context=100, recent_gap_s=0.02)
-    blended = predict.NOW_WEIGHT * predict.decode_step_s(seen) + (1 - predict.NOW_WEIGHT) * 0.02
-    assert predict.expected_gap_s(seen) == pytest.approx(2.0 * blended)
-    assert predict.expected_gap_s(dataclasses.replace(seen, prompt_token_rate=0.0)) == pytest.approx(blended)
+    blended = replica_steps.NOW_WEIGHT * replica_steps.decode_step_s(seen) + (1 - replica_steps.NOW_WEIGHT) * 0.02
+    assert replica_steps.expected_gap_s(seen) == pytest.approx(2.0 * blended)
+    assert replica_steps.expected_gap_s(dataclasses.replace(seen, prompt_token_rate=0.0)) == pytest.approx(blended)
 
 
 def test_a_request_is_not_run_whole_where_remote_prefills_keep_arriving():

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from router import predict
+from router import predict, replica_steps
 from router.candidate import RequestShape
 from router.replica_load import ReplicaLoad, from_stats
 from tests.engine_support import greedy, make_engine_fixture, random_prompts  # noqa: F401
@@ -103,10 +103,10 @@ def test_a_tpot_prediction_leans_on_the_recent_gap():
     req = RequestShape(prompt_len=100, max_tokens=32)
     quiet_now = ReplicaLoad("d1", "decode", COEFFS, num_streams=1, stream_context=200, stream_tokens_left=20)
     cold = predict.local(req, quiet_now, 0).prediction.tpot_s
-    assert cold == pytest.approx(predict.decode_step_s(quiet_now, 1, 100))  # no recent past: the state now
+    assert cold == pytest.approx(replica_steps.decode_step_s(quiet_now, 1, 100))  # no recent past: the state now
     busy_lately = ReplicaLoad("d1", "decode", COEFFS, num_streams=1, stream_context=200, stream_tokens_left=20,
                               recent_gap_s=0.05, recent_decode_seqs=12.0)
     blended = predict.local(req, busy_lately, 0).prediction.tpot_s
     recent_with_own = 0.05 + COEFFS.decode_seq_s
-    assert blended == pytest.approx(predict.NOW_WEIGHT * cold + (1 - predict.NOW_WEIGHT) * recent_with_own)
+    assert blended == pytest.approx(replica_steps.NOW_WEIGHT * cold + (1 - replica_steps.NOW_WEIGHT) * recent_with_own)
     assert cold < blended < recent_with_own

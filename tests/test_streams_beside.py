@@ -17,7 +17,7 @@ import math
 import pytest
 
 from cluster.config import SLO, WorkloadProfile
-from router import predict
+from router import predict, replica_steps
 from router.auto_policy import candidates, score
 from router.bystanders import stream_objective_s
 from router.candidate import RequestShape
@@ -284,7 +284,7 @@ def test_a_remote_prefill_counts_the_request_running_whole_on_its_prefill_replic
     remote = next(c for c in candidates(context) if c.kind == "remote")
     assert remote.host_streams == 1
     stalled = remote.prediction.host_streams_tpot_s
-    alone = predict.decode_step_s(host)
+    alone = replica_steps.decode_step_s(host)
     assert stalled > 0.074 > alone  # its chunks stall the stream past what it can afford
     scored = score(context, remote, remote.prediction)
     assert not scored.meets and scored.loss > 0.0
@@ -313,7 +313,7 @@ def test_a_remote_prefill_counts_the_request_queued_to_run_whole_on_its_prefill_
                   prefills=(host,))
     remote = next(c for c in candidates(context) if c.kind == "remote")
     assert remote.host_streams == 1
-    assert remote.prediction.host_streams_tpot_s > 0.075 > predict.decode_step_s(host, 1, 1816)
+    assert remote.prediction.host_streams_tpot_s > 0.075 > replica_steps.decode_step_s(host, 1, 1816)
     assert not score(context, remote, remote.prediction).meets
     assert decide(context).route == "local"  # the decode replica is idle: the prompt prefills there
 
@@ -328,7 +328,7 @@ def test_a_route_is_charged_only_the_misses_it_adds_to_the_streams():
                    stream_context=5 * 150, stream_tokens_left=16.0)
     context = ctx(prompt_len=1496, slo=slo, max_tokens=8, decode=late)
     remote = next(c for c in candidates(context) if c.kind == "remote")
-    untouched = predict.expected_gap_s(late)
+    untouched = replica_steps.expected_gap_s(late)
     assert untouched > 0.0264 and remote.prediction.streams_tpot_s > untouched
     scored = score(context, remote, remote.prediction)
     added = 5 * (remote.prediction.streams_tpot_s - untouched) / 0.0264
@@ -351,7 +351,7 @@ def test_streams_just_past_reach_still_lose_what_a_prompts_chunks_add():
     def scored(allowance: float) -> dict:
         near = replica("d1", stream_allowances=(allowance,) * 8, **BUSY_STREAMS)
         context = ctx(prompt_len=1500, slo=slo, decode=near)
-        assert stream_objective_s(near, 0.0088, predict.decode_step_s(near))[1] == 8  # all past reach
+        assert stream_objective_s(near, 0.0088, replica_steps.decode_step_s(near))[1] == 8  # all past reach
         return {c.kind: score(context, c, c.prediction) for c in candidates(context)}, decide(context)
 
     near, decision = scored(0.0088)
@@ -372,7 +372,7 @@ def test_a_request_slows_the_streams_beside_it_only_while_it_decodes():
     for max_tokens, beside in ((8, 7), (64, 40)):
         context = ctx(prompt_len=1500, max_tokens=max_tokens, decode=d)
         by_kind = {c.kind: c for c in candidates(context)}
-        with_it, without = predict._gap_with(context.shape, d), predict.expected_gap_s(d)
+        with_it, without = predict._gap_with(context.shape, d), replica_steps.expected_gap_s(d)
         assert with_it > without
         expected = (beside * with_it + (40 - beside) * without) / 40
         assert by_kind["remote"].prediction.streams_tpot_s == pytest.approx(expected)

@@ -16,7 +16,7 @@ import dataclasses
 
 import pytest
 
-from router import predict
+from router import predict, replica_steps
 from router.candidate import RequestShape
 from router.queue_drain import drain
 from router.replica_load import from_stats
@@ -85,10 +85,10 @@ def test_streams_wait_through_a_prompts_steps_stretched_as_their_decode_steps_ar
         from_stats("d", "decode", {"num_decoding": 2, "decode_context_tokens": 20, "max_num_batched_tokens": 64}),
         coefficients=MODEL, recent_gap_s=None, prompt_token_rate=0.0, prompt_work_rate=0.0)
     phases = ((3.0, 0.030), (10.0, 0.015))
-    assert predict.as_streams_see(bare, phases) == phases
-    step = predict.decode_step_s(bare)  # 12 ms
+    assert replica_steps.as_streams_see(bare, phases) == phases
+    step = replica_steps.decode_step_s(bare)  # 12 ms
     lagging = dataclasses.replace(bare, recent_gap_s=step + 0.010, prompt_token_rate=500.0)  # a fifth of its time
-    seen = predict.as_streams_see(lagging, phases)
+    seen = replica_steps.as_streams_see(lagging, phases)
     assert [n for n, _ in seen] == [3.0, 10.0]
-    assert seen[0][1] == pytest.approx((0.030 + (1 - predict.NOW_WEIGHT) * 0.010) / 0.8)
-    assert predict.as_streams_see(lagging, ((1.0, step),))[0][1] == pytest.approx(predict.expected_gap_s(lagging))
+    assert seen[0][1] == pytest.approx((0.030 + (1 - replica_steps.NOW_WEIGHT) * 0.010) / 0.8)
+    assert replica_steps.as_streams_see(lagging, ((1.0, step),))[0][1] == pytest.approx(replica_steps.expected_gap_s(lagging))

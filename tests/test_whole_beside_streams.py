@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.config import SLO, WorkloadProfile
-from router import predict
+from router import predict, replica_steps
 from router.auto_policy import score
 from router.candidate import RequestShape
 from router.cluster_view import ClusterView, ReplicaInfo
@@ -26,7 +26,7 @@ def test_the_whole_candidate_prices_the_streams_already_on_the_prefill_replica()
     idle = predict.whole(req, replica("p1", "prefill"), 0)
     busy = predict.whole(req, replica("p1", "prefill", **_streams(4)), 0)
     assert (idle.num_streams, idle.prediction.streams_tpot_s) == (0, 0.0)
-    assert busy.num_streams == 4 and busy.prediction.streams_tpot_s > predict.decode_step_s(
+    assert busy.num_streams == 4 and busy.prediction.streams_tpot_s > replica_steps.decode_step_s(
         replica("p1", "prefill", **_streams(4)))  # its prompt's step stalls them once
     assert busy.prediction.tpot_s > idle.prediction.tpot_s  # it decodes beside them
     assert busy.decode_replica == busy.prefill_replica == "p1" and busy.route == "local"
@@ -50,7 +50,7 @@ def test_the_streams_beside_a_whole_request_are_held_to_their_own_allowances():
     """The same candidate costs more where the prefill replica's streams can afford less:
     their objective comes from their allowances there, not the decode replica's."""
     slo = SLO(ttft_ms=2000, tpot_ms=50)
-    tight_s = predict.decode_step_s(replica("p1", "prefill", **_streams(4))) * 1.2
+    tight_s = replica_steps.decode_step_s(replica("p1", "prefill", **_streams(4))) * 1.2
 
     def loss(there_s: float, on_decode_s: float) -> float:
         decode = replica("d1", **_streams(3), stream_allowances=(on_decode_s,) * 3)
@@ -119,7 +119,7 @@ def test_a_full_prefill_replica_is_not_offered():
 
 def test_coefficients_behind_the_table():
     """The arithmetic the tests above lean on."""
-    assert predict.decode_step_s(replica("d1", **_streams(8)), extra_seqs=1) == pytest.approx(0.0095)
+    assert replica_steps.decode_step_s(replica("d1", **_streams(8)), extra_seqs=1) == pytest.approx(0.0095)
     assert COEFFS.decode_seq_s == 5e-4
 
 
