@@ -27,10 +27,10 @@ from router.cluster_view import ClusterView, ReplicaInfo
 from router.corrections import EMPTY, LearnedState
 from router.errors import unavailable
 from router.policy import PLAIN, RequestWork, RouteContext, RouteDecision
+from router.prefix_index import block_keys
 from router.routing import PolicySettings, decide
 from workers.engine.cost_model import prefill_work
 from workers.engine.kv_types import num_blocks
-from workers.engine.prefix_hash import block_hashes
 
 AFFINITY_MAX_IMBALANCE = 8  # affinity yields to load when the cached replica is this much busier
 MAX_PREFILL_CANDIDATES = 4  # remote candidates priced per request: the least-loaded prefill replicas
@@ -109,7 +109,7 @@ def place(view: ClusterView, prompt_ids: list[int], max_tokens: int, profile: Wo
 def _place(view: ClusterView, prompt_ids: list[int], max_tokens: int, profile: WorkloadProfile,
            forced_mode: str | None, offload_to_prefill: bool, work: RequestWork,
            inputs: PolicyInputs) -> tuple[Placement, RouteContext | None]:
-    hashes = block_hashes(prompt_ids, view.block_size)
+    hashes = block_keys(prompt_ids, view.block_size)
     # Hashes a replica's cache could serve: none when the prompt is recomputed whole. All
     # of `hashes` are still recorded where it goes: the engine registers its blocks.
     hits = [] if work.prompt_logprobs else hashes

@@ -1,16 +1,34 @@
 """What each replica's prefix cache probably holds, as the router saw it.
 
-The router records the block hashes of every prompt it sends to a replica (the same
-`workers.engine.prefix_hash.block_hashes` the engines use, so the numbers agree across
-processes) and forgets the least recently used ones past a capacity, as the engines'
+The router records a key per full block of every prompt it sends to a replica
+(`block_keys`) and forgets the least recently used ones past a capacity, as the engines'
 caches do. It never asks a replica, so routing costs no extra hop; a wrong guess only
-costs some recomputation, never correctness.
+costs some recomputation, never correctness: the engines find their cached blocks by
+their own collision-resistant hashes (`workers.engine.prefix_hash`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Container, Iterable, Mapping, Sequence
+
+
+def block_keys(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """A chained key per FULL block of `token_ids` (a partial tail is left out): equal
+    keys mean, with high probability, equal whole prefixes. Python's hash of a tuple of
+    ints, which no per-process salt changes: the router keys every request's prompt,
+    and this is about a third of the time of the engines' blake2b chain. Not
+    collision-resistant against crafted prompts; a collision only misplaces a request
+    (its replica recomputes what it lacks), and only this process compares the keys."""
+    if block_size < 1:
+        raise ValueError("block_size must be at least 1")
+    end = len(token_ids) // block_size * block_size
+    keys: list[int] = []
+    key = 0
+    for start in range(0, end, block_size):
+        key = hash((key, *token_ids[start:start + block_size]))
+        keys.append(key)
+    return keys
 
 
 class PrefixIndex:

@@ -3,7 +3,7 @@
 The engine keeps a full block's hash findable until the free queue hands the block out
 again (workers/engine/block_manager.py); under steady load that is about the last
 `num_kv_blocks` blocks computed, which is what this keeps. It sees the same chained
-hashes as the router's `PrefixIndex` (`workers.engine.prefix_hash.block_hashes`), so
+keys as the router's `PrefixIndex` (`router.prefix_index.block_keys`), so
 affinity the real placement code finds is a hit here.
 """
 
