@@ -159,12 +159,12 @@ def run_bench(opts: BenchOptions, log) -> dict:
     from cluster.bench.router_overhead import measure
     from cluster.bench.sizing import bench_workloads, measure_baseline
     from cluster.local.apps import app_args, ensure_preset, expected_pools
-    from cluster.local.ray_cluster import LocalCluster
+    from cluster.local.ray_cluster import LocalCluster, direct_ingress_env
     from cluster.local.runs import warm_up
     from workers.model_files import PRESETS
 
     started, load_start = time.perf_counter(), os.getloadavg()
-    serve_env = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"} if opts.direct_ingress else {}
+    serve_env = direct_ingress_env() if opts.direct_ingress else {}
     with admin_token_file() as (token_file, token), LocalCluster(log=log, serve_env=serve_env) as cluster:
         ensure_preset(opts.preset, opts.model_cache, log)
         log("deploying colocated (2 decode replicas) and pd (1 prefill + 1 decode, test-only fault injection "

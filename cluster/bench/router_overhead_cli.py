@@ -42,7 +42,9 @@ def bench_router_overhead_cmd(
     # Ray's processes inherit this environment when Ray starts; this one keeps what it read.
     os.environ.update(dict(kv.split("=", 1) for kv in serve_env))
     if direct_ingress:
-        os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"
+        from cluster.local.ray_cluster import direct_ingress_env
+
+        os.environ.update(direct_ingress_env())
     with stdout_to_stderr():
         result = run(samples, repeats, preset, model_cache, echo, console.log, direct_ingress)
     typer.echo(json.dumps(result))

@@ -25,6 +25,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def direct_ingress_env() -> dict[str, str]:
+    """Ray's environment for Serve's direct ingress (`LocalCluster.direct_url`) on a
+    cluster of this machine alone. Serve holds an ingress replica's shutdown for a
+    drain period (30 s by default) so that an external load balancer sees it go; no
+    balancer fronts a local cluster, and the wait only delayed every stop by 30 s."""
+    return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
+
+
 @dataclass
 class LocalCluster:
     """`with LocalCluster() as cluster: url = cluster.deploy("pd", args)`.
