@@ -1,6 +1,6 @@
 """Workload profile versions: DELETE and If-Match on ControlPlaneCore and the admin helpers.
 
-The HTTP path (ETag headers, 409/404 over a real Serve app) is in tests/test_router_http.py.
+The HTTP path (ETag headers, 409/404 over a real Serve app) is in tests/router_http/test_api.py.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """The Router's HTTP API end to end: real Ray Serve, the real workers, real HTTP.
 
-One app (1 prefill + 1 decode + 2 router replicas, tests/router_http_support.py) serves
-most tests: completions and streaming, errors, the admin API, metrics and the worker
-stream. Two small apps whose worker pools are pinned to a Ray resource no node has show
-`/health` degraded (prefill pool never comes up) and 503 (nothing can serve). The same
-app, deployed again, serves the OpenAI client's view of the API
-(tests/test_router_http_openai.py) and the router's explanations of its routes
-(tests/test_router_http_policy.py).
+The package's app (1 prefill + 1 decode + 2 router replicas, tests/router_http/support.py)
+serves completions and streaming, errors, the admin API, metrics and the worker stream
+here; the OpenAI client's view of the API (test_openai.py) and the router's explanations
+of its routes (test_policy.py) run on the same deployment. `/health` with pools that
+never come up is tests/test_router_health_pools.py.
 """
 
 from __future__ import annotations
@@ -14,26 +12,18 @@ from __future__ import annotations
 import json
 import time
 
-import httpx
 import pytest
 
 from router.metrics import METRIC_NAMES
-from tests.router_http_support import (
-    APP,
+from tests.router_http.support import (
     DEFAULT_MAX_TOKENS,
     MAX_TOKENS_LIMIT,
-    NOWHERE,
     TOKEN,
-    app_config,
-    app_fixture,
     assert_openai_error,
     complete,
     sum_by,
-    wait_health,
 )
 from workers.protocol import REASONS
-
-client = app_fixture()  # this module's deployment of the app
 
 
 def test_completion_headers_and_request_id(client):
@@ -277,45 +267,3 @@ def test_generate_travels_over_the_worker_stream(client):
     # the workers served them, and the decode replica called the prefill replica over it too
     assert served.get("generate", 0) >= 2 and served.get("prefill", 0) >= 1, served
     assert sum(received.values()) > 0, received  # and received the KV, by some data path
-
-
-@pytest.fixture()
-def unplaced_app(ray_cluster, tiny_model_dir, tmp_path, client):
-    """Deploys an app whose chosen pools can never be placed; yields (client, deploy)."""
-    from ray import serve
-
-    from cluster.app import build_app
-
-    serve.delete(APP)  # free the CPUs of the main app (the last tests to use it ran above)
-    token = tmp_path / "admin"
-    token.write_text(TOKEN)
-    names = []
-
-    def deploy(name, **overrides):
-        config = app_config(tiny_model_dir, token, router={"num_replicas": 1, "num_cpus": 0}, **overrides)
-        serve._run(build_app(config), _blocking=False, name=name, route_prefix="/")
-        names.append(name)
-
-    with httpx.Client(base_url=f"http://127.0.0.1:{ray_cluster['http_port']}", timeout=60) as c:
-        yield c, deploy
-    for name in names:
-        serve.delete(name)
-
-
-def test_health_degraded_without_prefill_then_503_without_any(unplaced_app):
-    from ray import serve
-
-    client, deploy = unplaced_app
-    deploy("pdc-no-prefill", prefill=NOWHERE)
-    r = wait_health(client, lambda r: r.status_code == 200)
-    assert r.json()["status"] == "degraded"
-    assert r.json()["pools"]["prefill"]["status"] == "down"
-    done = complete(client, "a long prompt that wants a prefill replica " * 2, headers={"x-pd-mode": "disagg"})
-    assert done.status_code == 200
-    assert (done.headers["x-pd-route"], done.headers["x-pd-reason"]) == ("local", "prefill-unhealthy")
-    serve.delete("pdc-no-prefill")
-
-    deploy("pdc-no-workers", prefill=NOWHERE, decode=NOWHERE)
-    r = wait_health(client, lambda r: r.status_code == 503 and "error" not in r.json())
-    assert r.json()["status"] == "unavailable"
-    assert_openai_error(complete(client), 503)

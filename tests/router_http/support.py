@@ -1,5 +1,6 @@
-"""The Router's HTTP API end to end, shared by its test modules: the app's config, the
-app itself (1 prefill + 1 decode + 2 router replicas on real Ray Serve), and helpers."""
+"""The Router's HTTP API end to end, shared by this package's test modules: the app's
+config, the app itself (1 prefill + 1 decode + 2 router replicas on real Ray Serve,
+deployed once for the package: tests/router_http/conftest.py), and helpers."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import time
 from collections.abc import Iterator
 
 import httpx
-import pytest
 
 APP = "pdc-router-http"
 TOKEN = "admin-secret-token"
@@ -51,7 +51,7 @@ def wait_health(client, ok, timeout_s=120.0, times=1):
 
 def serve_router_app(ray_cluster, model_dir, tmp_path_factory, name: str = APP) -> Iterator[httpx.Client]:
     """Deploys the app, waits until every router replica answers healthy, yields a client
-    and deletes the app afterwards (the body of a module-scoped fixture)."""
+    and deletes the app afterwards (the body of the package's `client` fixture)."""
     from ray import serve
 
     from cluster.app import build_app
@@ -63,16 +63,6 @@ def serve_router_app(ray_cluster, model_dir, tmp_path_factory, name: str = APP) 
         wait_health(c, lambda r: r.status_code == 200 and r.json()["status"] == "ok", times=6)
         yield c
     serve.delete(name)
-
-
-def app_fixture():
-    """A `client` fixture for a test module (`client = app_fixture()`): the app, deployed
-    once for that module and deleted after it."""
-    @pytest.fixture(scope="module")
-    def client(ray_cluster, tiny_model_dir, tmp_path_factory) -> Iterator[httpx.Client]:
-        yield from serve_router_app(ray_cluster, tiny_model_dir, tmp_path_factory)
-
-    return client
 
 
 def complete(client, prompt="hello there", headers=None, **body):

@@ -1,5 +1,5 @@
 """How the router explains its routes over HTTP, on the app of
-tests/router_http_support.py: every response's predicted TTFT and TPOT in every mode, the
+tests/router_http/support.py: every response's predicted TTFT and TPOT in every mode, the
 SLO reasons of `auto`, and the admin endpoints that show the replicas' step and transfer
 records, the learned models and corrections (and their reset), and each decision with
 every candidate priced.
@@ -11,9 +11,7 @@ import time
 
 import pytest
 
-from tests.router_http_support import TOKEN, app_fixture, assert_openai_error, complete
-
-client = app_fixture()  # this module's deployment of the app
+from tests.router_http.support import TOKEN, assert_openai_error, complete
 
 
 def test_admin_steps_lists_every_replicas_step_and_transfer_records(client):

@@ -1,5 +1,5 @@
 """The Router's OpenAI-compatible API as the official `openai` client and lm-eval see it,
-on the app of tests/router_http_support.py: fields refused or accepted, limits, prompt
+on the app of tests/router_http/support.py: fields refused or accepted, limits, prompt
 lists, logprobs equal to transformers', penalties, JSON schemas and n choices, on both
 routes.
 """
@@ -10,14 +10,11 @@ import json
 
 import pytest
 
-from tests.router_http_support import (
+from tests.router_http.support import (
     MAX_TOKENS_LIMIT,
-    app_fixture,
     assert_openai_error,
     sum_by,
 )
-
-client = app_fixture()  # this module's deployment of the app
 
 
 @pytest.fixture(scope="module")
