@@ -58,6 +58,10 @@ class ArrivalRate:
         window = self.window_s
         return tuple([total / window if total > 0.0 else 0.0 for total in self._sums[replica_id]])
 
+    def count_rate(self, replica_id: str, now: float) -> float:
+        """Placements on `replica_id` per second over the last `window_s`, whatever their weights."""
+        return len(self._prune(replica_id, now)) / self.window_s
+
     def recent(self, replica_id: str, now: float) -> tuple[tuple[float, ...], ...]:
         """The weights of each placement on `replica_id` over the last `window_s`, oldest first."""
         return tuple([entry[1] for entry in self._prune(replica_id, now)])

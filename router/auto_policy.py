@@ -68,6 +68,7 @@ from router.bystanders import (
     joiners_loss,
     joiners_risk,
     past_reach_loss,
+    queue_waiters_loss,
     stream_objective_s,
     untouched_gap_s,
     waiters_loss,
@@ -205,7 +206,7 @@ def score(ctx: RouteContext, candidate: Candidate, prediction: Prediction, state
         slo_host, host_past = _host_objective(ctx, candidate, state, now)
         host_at_stake = max(0, candidate.host_streams - host_past)
         if host_at_stake:
-            host = next(p for p in ctx.prefills if p.replica_id == candidate.prefill_replica)
+            host = _prefill_host(ctx, candidate)
             ratio, host_loss = beside_streams(state, prediction.host_streams_tpot_s, slo_host, host_at_stake, now,
                                               untouched_gap_s(host, state, now))
             ratios.append(ratio)
@@ -223,8 +224,18 @@ def score(ctx: RouteContext, candidate: Candidate, prediction: Prediction, state
     if candidate.blocking_s > 0.0 and ctx.decode is not None and ctx.decode.arrival_ttft_objectives:
         waiting_loss = waiters_loss(candidate.blocking_s, ctx.decode.arrival_ttft_objectives)
         risk += waiters_risk(candidate.blocking_s, ctx.decode.arrival_ttft_objectives)
+    if candidate.prefill_own_s > 0.0 and prediction.ttft_s > slo_ttft:  # its queue runs past the objective
+        queue = _prefill_host(ctx, candidate)
+        if queue is not None:
+            waiting_loss += queue_waiters_loss(queue.prompt_rate, candidate.prefill_done_s, candidate.prefill_own_s,
+                                               slo_ttft)
     return Scored(candidate, prediction, meets, tuple(sorted(1.0 - r for r in ratios)),
                   own_loss + streams_loss + waiting_loss, risk)
+
+
+def _prefill_host(ctx: RouteContext, candidate: Candidate) -> ReplicaLoad | None:
+    """A remote candidate's prefill replica, as the context priced it."""
+    return next((p for p in ctx.prefills if p.replica_id == candidate.prefill_replica), None)
 
 
 def _once(shared: dict | None, key: tuple, compute):

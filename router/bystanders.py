@@ -138,6 +138,24 @@ def waiters_loss(blocking_s: float, objectives: tuple[float, ...]) -> float:
     return sum([max(0.0, blocking_s - objective) for objective in objectives]) / ARRIVAL_WINDOW_S
 
 
+def queue_waiters_loss(prompt_rate: float, done_s: float, own_s: float, objective_s: float) -> float:
+    """The requests expected to miss their TTFT objective because a remote prompt that
+    misses its own joins the prefill replica's queue: those placed there after it (as
+    many per second as lately, `prompt_rate`), taken to be like it (`objective_s`, and a
+    prefill as long as its own `own_s`). One arriving t from now starts its prefill once
+    this prompt's is done (`done_s`, the queue ahead included) and misses when
+    `done_s` + `own_s` - t passes `objective_s`; this prompt's own chunks push those
+    arriving in a span of up to `own_s` past that.
+
+    Counted only as the prompt's own chance of missing, a prompt sent remote at a
+    queue that already ran past its objective looked cheaper than a background prefill
+    on the decode replica that met it, and the queue kept growing: in a load shift to
+    110% of one replica's prefill rate, 13 of 15 long prompts went remote and 9 missed by
+    5-15%, where the threshold rule, spilling every other one to the decode replica in
+    the background, met 14 (bench cluster run CW)."""
+    return prompt_rate * min(max(0.0, done_s + own_s - objective_s), own_s)
+
+
 def waiters_risk(blocking_s: float, objectives: tuple[float, ...]) -> float:
     """The margin of the requests expected to arrive at the decode replica while this
     candidate's prompt holds its foreground lane: as many as arrived there over an equal

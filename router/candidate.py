@@ -77,6 +77,11 @@ class Candidate:
     # placed there meanwhile wait behind it
     blocking_s: float = 0.0
     computed_tokens: int = 0  # the prompt tokens its prefill computes (the rest are cached)
+    # `remote`: seconds until its prompt's last chunk on the prefill replica (the queue
+    # ahead of it included), and the part its own chunks take: every prompt placed there
+    # meanwhile waits that much longer
+    prefill_done_s: float = 0.0
+    prefill_own_s: float = 0.0
 
     @property
     def route(self) -> str:

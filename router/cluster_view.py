@@ -152,6 +152,7 @@ class ClusterView:
             overdue=self.overdue_of(rid, now) if now is not None else {},
             arrival_rate=self.arrivals.rate(rid, now) if now is not None else 0.0,
             prompt_token_rate=prompt_tokens, prompt_work_rate=prompt_work,
+            prompt_rate=self.prompts.count_rate(rid, now) if now is not None else 0.0,
             recent_prompts=self.prompts.recent(rid, now) if now is not None and recent_prompts else (),
             arrival_ttft_objectives=self.arrivals.tags(rid, now) if now is not None and arrival_objectives else (),
             incoming_due_s=due_later(self.incoming.get(rid, {}).values(), now)

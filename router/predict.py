@@ -206,7 +206,8 @@ def remote(req: RequestShape, p: ReplicaLoad, d: ReplicaLoad, prefill_cached: in
                _queued_tpot(p, prefill.own_steps, prefill.own_step_s, host_gap))
     return Candidate("remote", d.replica_id, p.replica_id, Prediction(ttft, tpot, streams, tail, host),
                      num_streams=d.num_streams, host_streams=p.num_streams + p.queued_streams,
-                     overdue_x=p.overdue.get("disagg", 1.0), computed_tokens=req.prompt_len - start)
+                     overdue_x=p.overdue.get("disagg", 1.0), computed_tokens=req.prompt_len - start,
+                     prefill_done_s=prefill.seconds, prefill_own_s=prefill.own_s)
 
 
 def local(req: RequestShape, d: ReplicaLoad, cached: int, d_queue: Drain | None = None) -> Candidate:

@@ -67,6 +67,7 @@ class ReplicaLoad:
     # prompt tokens placed to be computed here per second lately, and their attention work
     prompt_token_rate: float = 0.0
     prompt_work_rate: float = 0.0
+    prompt_rate: float = 0.0  # prompts placed to be computed here per second lately
     # (tokens, attention work) of each prompt placed to be computed here over the same
     # window (`arrival_rate.WINDOW_S`), oldest first: what a stream here may find beside it
     # (filled where a request may run whole on the replica, the one candidate that reads it)
