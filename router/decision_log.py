@@ -87,7 +87,7 @@ def _load(r: ReplicaLoad) -> dict[str, Any]:
             "stream_allowances_ms": [round(a * 1e3, 3) for a in r.stream_allowances],
             "recent_gap_ms": _ms(r.recent_gap_s),
             "node_busy": r.node_busy, "arrival_rate": round(r.arrival_rate, 3),
-            "prompt_token_rate": round(r.prompt_token_rate, 1),
+            "prompt_token_rate": round(r.prompt_token_rate, 1), "prompt_rate": round(r.prompt_rate, 3),
             "incoming_due_ms": [round(a * 1e3, 3) for a in r.incoming_due_s],
             "transfer_waiting_ms": {peer: round(s * 1e3, 3) for peer, s in r.transfer_waiting.items()}}
 

@@ -67,7 +67,9 @@ def test_the_view_counts_the_prompt_tokens_placed_to_be_computed_on_a_replica():
     at_p1, at_d1 = view.load_of(p1, now=20.0), view.load_of(d1, now=20.0)
     assert at_p1.prompt_token_rate == pytest.approx(500.0) and at_p1.prompt_work_rate == pytest.approx(3.5)
     assert at_d1.prompt_token_rate == pytest.approx(50.0) and at_d1.prompt_work_rate == pytest.approx(1.5)
+    assert at_p1.prompt_rate == pytest.approx(0.5) and at_d1.prompt_rate == pytest.approx(0.5)  # prompts a second
     assert view.load_of(p1).prompt_token_rate == 0.0  # without the policy's clock: no rate
+    assert view.load_of(p1).prompt_rate == 0.0
 
 
 def test_a_stream_where_prompts_keep_arriving_waits_for_their_chunks():
