@@ -48,7 +48,6 @@ if TYPE_CHECKING:
     from router.placement import Placement
 
 
-
 class ClusterView:
     """The replicas from the last heartbeats, plus this router's requests on each since."""
 
