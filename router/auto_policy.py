@@ -276,7 +276,7 @@ def _host_objective(ctx: RouteContext, candidate: Candidate, state: LearnedState
     replica as the last short prompts left it, a 1,816-token request then decoded beside
     every long remote prefill sent there after it: 16 tokens in 8.7 s against a 74 ms
     objective, none of which its first prediction could see (bench cluster, load shift)."""
-    host = next((p for p in ctx.prefills if p.replica_id == candidate.prefill_replica), None)
+    host = _prefill_host(ctx, candidate)
     default = ctx.slo.tpot_ms / 1000.0
     if host is None:
         return default, 0
