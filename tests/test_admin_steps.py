@@ -33,6 +33,19 @@ def test_recent_keeps_the_newest_since_oldest_first():
     assert _recent(STEPS, 0.0, 0) == [] and _recent((), 0.0, 10) == []
 
 
+def test_recent_keeps_a_record_by_when_it_ended():
+    """A record is kept when its step or transfer ends: a transfer that ran past a poll
+    comes in the next one, asked from that poll on (one over a slow link takes seconds)."""
+    slow = TransferRecord("t2", 4096, 4, "shm", 200.0, 5.7, 5.5)
+    quick = TransferRecord("t3", 4096, 4, "shm", 203.0, 0.02, 0.005)
+    records = [quick, slow]  # as the sender appends them: in the order they end
+    assert [r["transfer_id"] for r in _recent(records, 204.0, 10)] == ["t2"]
+    assert [r["transfer_id"] for r in _recent(records, 203.0, 10)] == ["t3", "t2"]
+    assert _recent(records, 206.0, 10) == []
+    long_step = dataclasses.replace(STEPS[0], start_time=300.0, step_time_s=1.6)
+    assert [r["start_time"] for r in _recent([long_step], 301.0, 10)] == [300.0]
+
+
 def test_query_parameters():
     assert parse_steps_query({}) == StepsRequest(0.0, 1000)
     assert parse_steps_query({"since": "1700000000.5", "limit": "7"}) == StepsRequest(1700000000.5, 7)

@@ -28,3 +28,8 @@ class TransferRecord:
     # `peer_address`): which decode replica, for a cost model per (prefill, decode) pair.
     # Defaulted only so records written before it existed still build.
     peer: str = ""
+
+    @property
+    def ended_at(self) -> float:
+        """When the transfer was acknowledged, which is when its sender recorded it."""
+        return self.start_time + self.seconds

@@ -68,7 +68,7 @@ class EngineWorker:
 
     def recent_records(self, since: float = 0.0, limit: int = 1000) -> StepsReply:
         """The engine's step records and the KV sender's transfer records (a prefill
-        replica's) that started at or after `since`, the newest `limit` of each, oldest first."""
+        replica's) that ended at or after `since`, the newest `limit` of each, oldest first."""
         sender = getattr(self, "sender", None)
         return StepsReply(self.role, _recent(self.engine.engine.step_records, since, limit),
                           _recent(getattr(sender, "transfer_records", ()), since, limit))
@@ -276,6 +276,8 @@ def _replica_identity() -> tuple[str, str]:
 
 
 def _recent(records, since: float, limit: int) -> list[dict]:
-    kept = [r for r in list(records) if r.start_time >= since]  # list(): one atomic copy of the deque
+    # by end, as each is recorded when it ends: a poll then misses none that ended after
+    # the last one, however long it ran (a transfer over a slow link takes seconds)
+    kept = [r for r in list(records) if r.ended_at >= since]  # list(): one atomic copy of the deque
     return [dataclasses.asdict(r) for r in kept[max(0, len(kept) - limit):]]
 

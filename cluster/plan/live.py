@@ -4,7 +4,7 @@
 A replica keeps its newest 4096 step records (`LLMEngine(max_step_records=...)`) and
 4096 transfer records: about 10-40 s of steps on a CPU, far less on a GPU, so a run's
 records cannot be fetched once at its end. `StepsCollector` polls every `POLL_S`
-seconds while the run goes on (each poll asks for what started since the last one, less
+seconds while the run goes on (each poll asks for what ended since the last one, less
 a margin, and keeps each record once) and once more at the end: the records span the
 whole run however long it is, with no replica setting to change. A replica whose ring
 went round between two polls (its oldest record in a poll is newer than the last one
@@ -27,7 +27,7 @@ from cluster.plan.records import RecordSet, from_admin_answer, write_run_records
 
 TOKEN_ENV = "PDC_ADMIN_TOKEN"
 POLL_S = 2.0
-POLL_MARGIN_S = 1.0  # asked again: a step that started before the last poll but ended after it
+POLL_MARGIN_S = 1.0  # asked again: a record that ended just before the last poll was answered
 POLL_LIMIT = 4096  # a replica's whole ring
 
 

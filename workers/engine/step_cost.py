@@ -49,6 +49,11 @@ class StepRecord:
     # next step is no gap of theirs (it may be an idle engine waiting for work)
     num_finished_streams: int = 0
 
+    @property
+    def ended_at(self) -> float:
+        """When the step ended, which is when the engine recorded it."""
+        return self.start_time + self.step_time_s
+
 
 @dataclass(frozen=True)
 class StepPhases:
