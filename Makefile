@@ -27,7 +27,7 @@ demo: $(STAMP)
 	$(VENV)/bin/pdcluster demo
 
 test: $(STAMP)
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow" --durations=25 $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -m "slow or soak" $(PYTEST_ARGS)
