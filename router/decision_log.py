@@ -95,7 +95,8 @@ def _load(r: ReplicaLoad) -> dict[str, Any]:
 def _alternative(a: Alternative) -> dict[str, Any]:
     c, p = a.candidate, a.prediction
     return {"kind": c.kind, "decode_replica": c.decode_replica, "prefill_replica": c.prefill_replica,
-            "chunk_tokens": c.chunk_tokens, "ttft_ms": _ms(p.ttft_s), "tpot_ms": _ms(p.tpot_s),
+            "chunk_tokens": c.chunk_tokens, "ttft_ms": _ms(p.ttft_s), "transfer_ms": _ms(p.transfer_s),
+            "tpot_ms": _ms(p.tpot_s),
             "streams_tpot_ms": _ms(p.streams_tpot_s), "streams": c.num_streams,
             "host_streams_tpot_ms": _ms(p.host_streams_tpot_s), "host_streams": c.host_streams, "meets": a.meets,
             "loss": round(a.loss, 4), "joining_streams": round(c.joining_streams, 3),

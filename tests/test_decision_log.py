@@ -31,6 +31,10 @@ def test_an_auto_decision_is_logged_with_every_candidate_and_what_was_read():
     kinds = [a["kind"] for a in entry["alternatives"]]
     assert "local" in kinds and "remote" in kinds and entry["kind"] in kinds
     assert all(a["ttft_ms"] > 0 and a["tpot_ms"] > 0 for a in entry["alternatives"])
+    # the KV transfer's exposed tail: part of a remote candidate's TTFT, none of a local one's
+    by_kind = {a["kind"]: a for a in entry["alternatives"]}
+    assert 0 < by_kind["remote"]["transfer_ms"] < by_kind["remote"]["ttft_ms"]
+    assert by_kind["local"]["transfer_ms"] == 0
     assert entry["decode"]["replica"] == "d1" and [p["replica"] for p in entry["prefills"]] == ["p1"]
 
 
