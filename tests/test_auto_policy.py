@@ -105,28 +105,6 @@ def test_every_candidate_is_priced_and_ordered_as_expected():
     assert by_kind["whole"].prediction.streams_tpot_s == 0.0
 
 
-@pytest.mark.parametrize("prompt_token_rate", [0.0, 2000.0])
-def test_the_background_chunk_keeps_the_streams_inside_their_objective(prompt_token_rate):
-    """As the streams wait through its step: stretched by the prompts arriving there,
-    the way the scoring prices them (`as_streams_see`)."""
-    d = replica("d1", **BUSY_STREAMS, prompt_token_rate=prompt_token_rate)
-    chunks = []
-    for slo_ms in (10, 20, 50):
-        chunk = predict.background_chunk(RequestShape(1000, 32), d, slo_ms / 1000)
-        step = replica_steps.step_s(COEFFS, chunk, 0, d.num_streams, d.stream_context)
-        ((_, seen_s),) = replica_steps.as_streams_see(d, ((1.0, step),))
-        assert seen_s <= slo_ms / 1000 * predict.STREAM_TPOT_MARGIN + 1e-9 or chunk == 1
-        chunks.append(chunk)
-    assert chunks == sorted(chunks) and chunks[-1] > 1
-
-
-def test_prompts_arriving_at_the_decode_replica_shrink_the_background_chunk():
-    quiet, busy = replica("d1", **BUSY_STREAMS), replica("d1", **BUSY_STREAMS, prompt_token_rate=2000.0)
-    assert replica_steps.prompt_share(busy) == pytest.approx(0.2)
-    shape = RequestShape(1000, 32)
-    assert 1 < predict.background_chunk(shape, busy, 0.05) < predict.background_chunk(shape, quiet, 0.05)
-
-
 @pytest.mark.parametrize("mode", ["auto", "threshold", "local", "disagg"])
 def test_every_mode_carries_a_prediction_for_the_route_it_takes(mode):
     decision = decide(ctx(profile=WorkloadProfile(mode=mode, min_remote_prefill_tokens=100)))

@@ -1,16 +1,20 @@
 """The objective a background prefill's chunk is sized to on the decode replica: the
 streams there still in reach judged against the decode step alone, as `auto` scores
 them; the workload's objective where every stream is past reach; none only where even
-that one is below the decode step."""
+that one is below the decode step. And its size: a step the streams, waiting through it
+beside the prompts arriving there, see inside that objective."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
+
 from cluster.config import SLO
-from router import replica_steps
+from router import predict, replica_steps
 from router.auto_policy import candidates, chunk_objective_s
-from tests.test_auto_policy import ctx, replica
+from router.candidate import RequestShape
+from tests.test_auto_policy import BUSY_STREAMS, COEFFS, ctx, replica
 from workers.engine.cost_model import StepCoefficients
 
 CPU = StepCoefficients(0.013, 5e-4, 1e-7, 2e-3, 2e-6)  # the bench's CPU replicas, fitted
@@ -61,3 +65,25 @@ def test_an_objective_below_the_decode_step_sizes_no_chunk():
     assert replica_steps.decode_step_s(context.decode) > 0.010
     assert chunk_objective_s(context) == math.inf
     assert _chunk(context) == 512 - 3
+
+
+@pytest.mark.parametrize("prompt_token_rate", [0.0, 2000.0])
+def test_the_background_chunk_keeps_the_streams_inside_their_objective(prompt_token_rate):
+    """As the streams wait through its step: stretched by the prompts arriving there,
+    the way the scoring prices them (`as_streams_see`)."""
+    d = replica("d1", **BUSY_STREAMS, prompt_token_rate=prompt_token_rate)
+    chunks = []
+    for slo_ms in (10, 20, 50):
+        chunk = predict.background_chunk(RequestShape(1000, 32), d, slo_ms / 1000)
+        step = replica_steps.step_s(COEFFS, chunk, 0, d.num_streams, d.stream_context)
+        ((_, seen_s),) = replica_steps.as_streams_see(d, ((1.0, step),))
+        assert seen_s <= slo_ms / 1000 * predict.STREAM_TPOT_MARGIN + 1e-9 or chunk == 1
+        chunks.append(chunk)
+    assert chunks == sorted(chunks) and chunks[-1] > 1
+
+
+def test_prompts_arriving_at_the_decode_replica_shrink_the_background_chunk():
+    quiet, busy = replica("d1", **BUSY_STREAMS), replica("d1", **BUSY_STREAMS, prompt_token_rate=2000.0)
+    assert replica_steps.prompt_share(busy) == pytest.approx(0.2)
+    shape = RequestShape(1000, 32)
+    assert 1 < predict.background_chunk(shape, busy, 0.05) < predict.background_chunk(shape, quiet, 0.05)
