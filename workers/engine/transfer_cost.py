@@ -108,9 +108,12 @@ class TransferCostFit:
             self._track_change(side, big)
 
     def _track_change(self, side: int, big: bool) -> None:
+        if not side:
+            self._run = (0, 0, False)
+            return
         last, count, all_big = self._run
-        self._run = ((side, count + 1, all_big and big) if side == last else (side, 1, big)) if side else (0, 0, False)
-        _, count, all_big = self._run
+        count, all_big = (count + 1, all_big and big) if side == last else (1, big)
+        self._run = (side, count, all_big)
         keep = count if count >= CHANGE_RUN or (all_big and count >= BIG_CHANGE_RUN) else 0
         if keep and len(self._seconds) > keep:
             for samples in (self._bytes, self._seconds, self._at):
