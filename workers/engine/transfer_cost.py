@@ -204,7 +204,7 @@ class TransferTails:
         """Feed the records after the last one fed; returns how many."""
         new = records_after(records, self._last)
         for r in new:
-            self.costs.observe(self.prefill_id, r.peer, r.num_bytes, r.tail_seconds, r.start_time + r.seconds)
+            self.costs.observe(self.prefill_id, r.peer, r.num_bytes, r.tail_seconds, r.ended_at)
         if new:
             self._last = new[-1]
         return len(new)
