@@ -30,13 +30,15 @@ MAX_KEPT = 512  # placements kept per replica: 50/s over the window
 class ArrivalRate:
     """Per replica, the placements of the last `window_s`, each with `num_weights` weights
     (1 each by default: requests; prompt tokens and their work where the caller weighs
-    them so) and an optional tag that is kept, never summed (a request's TTFT objective),
-    and each weight's sum, kept as placements come and leave the window."""
+    them so) and an optional tag that is counted, never summed (a request's TTFT
+    objective), and each weight's sum and each tag's count, kept as placements come and
+    leave the window."""
 
     def __init__(self, window_s: float = WINDOW_S, num_weights: int = 1) -> None:
         self.window_s, self.num_weights = window_s, num_weights
         self._entries: dict[str, deque[tuple[float, tuple[float, ...], float | None]]] = {}  # oldest first
         self._sums: dict[str, list[float]] = {}
+        self._tags: dict[str, dict[float, int]] = {}  # per replica, placements in the window per tag
 
     def add(self, replica_id: str, at: float, *weights: float, tag: float | None = None) -> None:
         """A placement at `at` (the policy's clock) on `replica_id`; no weights: 1 each."""
@@ -45,11 +47,14 @@ class ArrivalRate:
             raise ValueError(f"expected {self.num_weights} weights, got {len(weights)}")
         entries = self._entries.setdefault(replica_id, deque())
         sums = self._sums.setdefault(replica_id, [0.0] * self.num_weights)
+        tags = self._tags.setdefault(replica_id, {})
         if len(entries) == MAX_KEPT:
-            _drop(entries.popleft(), sums)
+            _drop(entries.popleft(), sums, tags)
         entries.append((at, weights, tag))
         for i, w in enumerate(weights):
             sums[i] += w
+        if tag is not None:
+            tags[tag] = tags.get(tag, 0) + 1
 
     def rates(self, replica_id: str, now: float) -> tuple[float, ...]:
         """Each weight per second placed there over the last `window_s`."""
@@ -66,20 +71,24 @@ class ArrivalRate:
         """The weights of each placement on `replica_id` over the last `window_s`, oldest first."""
         return tuple([entry[1] for entry in self._prune(replica_id, now)])
 
-    def tags(self, replica_id: str, now: float) -> tuple[float, ...]:
-        """The tag of each placement on `replica_id` over the last `window_s` that has one,
-        oldest first."""
-        return tuple([entry[2] for entry in self._prune(replica_id, now) if entry[2] is not None])
+    def tag_counts(self, replica_id: str, now: float) -> tuple[tuple[float, int], ...]:
+        """(tag, how many placements on `replica_id` over the last `window_s` have it),
+        ascending by tag. Counted as placements come and go, not per read: the decode
+        replica's arrivals are read for every request, at 50 a second there as many as
+        500 of them."""
+        if not self._prune(replica_id, now):
+            return ()
+        return tuple(sorted(self._tags[replica_id].items()))
 
     def _prune(self, replica_id: str, now: float) -> deque[tuple[float, tuple[float, ...], float | None]]:
         """The replica's placements still in the window (empty: none), the rest dropped."""
         entries = self._entries.get(replica_id)
         if not entries:
             return deque()
-        sums = self._sums[replica_id]
+        sums, tags = self._sums[replica_id], self._tags[replica_id]
         cutoff = now - self.window_s
         while entries and entries[0][0] < cutoff:
-            _drop(entries.popleft(), sums)
+            _drop(entries.popleft(), sums, tags)
         if not entries:
             sums[:] = [0.0] * self.num_weights  # no drift from float sums once empty
         return entries
@@ -93,8 +102,17 @@ class ArrivalRate:
         for gone in set(self._entries) - replica_ids:
             del self._entries[gone]
             self._sums.pop(gone, None)
+            self._tags.pop(gone, None)
 
 
-def _drop(entry: tuple[float, tuple[float, ...], float | None], sums: list[float]) -> None:
+def _drop(entry: tuple[float, tuple[float, ...], float | None], sums: list[float],
+          tags: dict[float, int]) -> None:
     for i, w in enumerate(entry[1]):
         sums[i] -= w
+    tag = entry[2]
+    if tag is not None:
+        left = tags[tag] - 1
+        if left:
+            tags[tag] = left
+        else:
+            del tags[tag]

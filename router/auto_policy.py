@@ -77,7 +77,7 @@ from router.bystanders import (
 from router.candidate import Candidate, Prediction
 from router.corrections import EMPTY, STREAMS, LearnedState, tpot_key
 from router.policy import Alternative, RouteContext, RouteDecision, RoutingPolicy
-from router.queue_drain import drain
+from router.queue_drain import Drain, drain
 from router.replica_load import ReplicaLoad
 
 EXPLORE_BUCKETS = 10_000
@@ -102,16 +102,30 @@ def candidates(ctx: RouteContext) -> list[Candidate]:
     req, d = ctx.shape, ctx.decode
     d_queue = drain(d)  # priced once: every candidate looks at it
     out = [predict.local(req, d, ctx.num_cached_tokens, d_queue)]
-    slow = predict.background(req, d, ctx.num_cached_tokens, chunk_objective_s(ctx), d_queue)
+    slow = background_candidate(ctx, d_queue)
     if slow is not None:
         out.append(slow)
-    if ctx.num_healthy_prefill > 0:  # `auto` drops them when the decode replica has no room
-        side = predict.decode_side(req, d, d_queue)
-        out += [predict.remote(req, p, d, hit, ctx.num_cached_tokens, side=side)
-                for p, hit in zip(ctx.prefills, ctx.prefill_cached_tokens, strict=True)]
+    out += remote_candidates(ctx, d_queue)
     if ctx.whole is not None:
         out.append(predict.whole(req, ctx.whole, ctx.whole_cached_tokens))
     return out
+
+
+def background_candidate(ctx: RouteContext, d_queue: Drain) -> Candidate | None:
+    """In the background on the decode replica (`predict.background`); needs `ctx.decode`."""
+    return predict.background(ctx.shape, ctx.decode, ctx.num_cached_tokens, chunk_objective_s(ctx), d_queue)
+
+
+def remote_candidates(ctx: RouteContext, d_queue: Drain, limit: int | None = None) -> list[Candidate]:
+    """Remote on each (the first `limit`) of the context's prefill replicas, least loaded
+    first; none without a healthy one (`auto` drops them when the decode replica has no
+    room). Needs `ctx.decode`."""
+    if ctx.num_healthy_prefill == 0:
+        return []
+    req, d = ctx.shape, ctx.decode
+    side = predict.decode_side(req, d, d_queue)
+    pairs = list(zip(ctx.prefills, ctx.prefill_cached_tokens, strict=True))[:limit]
+    return [predict.remote(req, p, d, hit, ctx.num_cached_tokens, side=side) for p, hit in pairs]
 
 
 def stream_slo_s(ctx: RouteContext, floor_s: float = 0.0, r: ReplicaLoad | None = None) -> tuple[float, int]:

@@ -125,7 +125,7 @@ def joiners_risk(prediction: Prediction, joining: float, slo_tpot_s: float) -> f
     return joining * at_risk(1.0 - prediction.streams_tpot_s / slo_tpot_s)
 
 
-def waiters_loss(blocking_s: float, objectives: tuple[float, ...]) -> float:
+def waiters_loss(blocking_s: float, objectives: tuple[tuple[float, int], ...]) -> float:
     """The requests expected to miss their TTFT objective waiting behind a prompt that
     holds the decode replica's foreground lane for `blocking_s`: they arrive as they did
     over the last window, each waits for what is left of the prompt's prefill, and those
@@ -135,7 +135,7 @@ def waiters_loss(blocking_s: float, objectives: tuple[float, ...]) -> float:
     the ten requests that arrived in the next 1.5 s queued behind it (bench cluster,
     balanced). The arrivals could have gone remote instead; where that route is free,
     a foreground prefill of seconds is the wrong call anyway."""
-    return sum([max(0.0, blocking_s - objective) for objective in objectives]) / ARRIVAL_WINDOW_S
+    return sum([n * max(0.0, blocking_s - objective) for objective, n in objectives]) / ARRIVAL_WINDOW_S
 
 
 def queue_waiters_loss(prompt_rate: float, done_s: float, own_s: float, objective_s: float) -> float:
@@ -156,7 +156,7 @@ def queue_waiters_loss(prompt_rate: float, done_s: float, own_s: float, objectiv
     return prompt_rate * min(max(0.0, done_s + own_s - objective_s), own_s)
 
 
-def waiters_risk(blocking_s: float, objectives: tuple[float, ...]) -> float:
+def waiters_risk(blocking_s: float, objectives: tuple[tuple[float, int], ...]) -> float:
     """The margin of the requests expected to arrive at the decode replica while this
     candidate's prompt holds its foreground lane: as many as arrived there over an equal
     time lately, each held to its own TTFT objective, each waiting half of that time on
@@ -166,7 +166,7 @@ def waiters_risk(blocking_s: float, objectives: tuple[float, ...]) -> float:
     configuration sends it there (bench cluster, tight_ttft, run BC)."""
     share = blocking_s / ARRIVAL_WINDOW_S
     wait = 0.5 * blocking_s
-    return share * sum(at_risk(1.0 - wait / objective) for objective in objectives)
+    return share * sum([n * at_risk(1.0 - wait / objective) for objective, n in objectives])
 
 
 def at_risk(slack: float) -> float:

@@ -153,7 +153,7 @@ class ClusterView:
             prompt_token_rate=prompt_tokens, prompt_work_rate=prompt_work,
             prompt_rate=self.prompts.count_rate(rid, now) if now is not None else 0.0,
             recent_prompts=self.prompts.recent(rid, now) if now is not None and recent_prompts else (),
-            arrival_ttft_objectives=self.arrivals.tags(rid, now) if now is not None and arrival_objectives else (),
+            arrival_ttft_objectives=self.arrivals.tag_counts(rid, now) if now is not None and arrival_objectives else (),
             incoming_due_s=due_later(self.incoming.get(rid, {}).values(), now)
             if now is not None and arrival_objectives else (),
             node_id=replica.node_id, node_busy=node_busy)

@@ -72,10 +72,10 @@ class ReplicaLoad:
     # window (`arrival_rate.WINDOW_S`), oldest first: what a stream here may find beside it
     # (filled where a request may run whole on the replica, the one candidate that reads it)
     recent_prompts: tuple[tuple[float, float], ...] = ()
-    # the TTFT objective (seconds) of each request placed to decode here over the same
-    # window, oldest first: who waits should a prompt hold its foreground lane (filled for
-    # the decode replica a placement chose, the one its local candidates run on)
-    arrival_ttft_objectives: tuple[float, ...] = ()
+    # (TTFT objective in seconds, how many requests placed to decode here over the same
+    # window had it), ascending: who waits should a prompt hold its foreground lane (filled
+    # for the decode replica a placement chose, the one its local candidates run on)
+    arrival_ttft_objectives: tuple[tuple[float, int], ...] = ()
     # ascending, seconds until each request prefilling elsewhere that will decode here is
     # due, of those not counted among its streams yet (`router/incoming.py`; filled as
     # `arrival_ttft_objectives` is): they start decoding beside a prompt prefilled here now

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from router.auto_policy import AutoPolicy, candidates, corrected
+from router import predict
+from router.auto_policy import AutoPolicy, background_candidate, corrected, remote_candidates
 from router.candidate import Candidate
 from router.corrections import EMPTY, LearnedState
 from router.policy import (
@@ -21,6 +22,7 @@ from router.policy import (
     RoutingPolicy,
     ThresholdPolicy,
 )
+from router.queue_drain import drain
 
 _FIXED = {"local": LocalPolicy, "disagg": DisaggPolicy, "threshold": ThresholdPolicy}
 
@@ -50,24 +52,27 @@ def decide(ctx: RouteContext, state: LearnedState = EMPTY, now: float = 0.0,
     decision = policy_for(ctx, state, now, settings).decide(ctx)
     if decision.candidate is not None:
         return decision
-    candidate = _matching(decision, candidates(ctx))
+    candidate = _matching(decision, ctx)
     if candidate is None:
         return decision
     return dataclasses.replace(decision, candidate=candidate, prediction=corrected(candidate, state, now))
 
 
-def _matching(decision: RouteDecision, options: list[Candidate]) -> Candidate | None:
-    """The candidate a fixed rule's decision runs as: remote on the least-loaded prefill
-    replica; local whole on a prefill replica where the placement offers one, else
-    in the background when the rule says so (at the engine's own chunk size), else the
-    foreground."""
-    by_kind: dict[str, Candidate] = {}
-    for c in options:
-        by_kind.setdefault(c.kind, c)  # remote: the first is the least loaded
+def _matching(decision: RouteDecision, ctx: RouteContext) -> Candidate | None:
+    """The candidate a fixed rule's decision runs as, the only one priced: remote on the
+    least-loaded prefill replica; local whole on a prefill replica where the placement
+    offers one, else in the background when the rule says so (at the engine's own chunk
+    size), else the foreground."""
+    if ctx.decode is None:
+        return None
+    d_queue = drain(ctx.decode)
     if decision.route == "disagg":
-        return by_kind.get("remote")
-    if "whole" in by_kind:
-        return by_kind["whole"]
-    if decision.yield_prefill and "background" in by_kind:
-        return dataclasses.replace(by_kind["background"], chunk_tokens=None)
-    return by_kind.get("local")
+        remote = remote_candidates(ctx, d_queue, limit=1)
+        return remote[0] if remote else None
+    if ctx.whole is not None:
+        return predict.whole(ctx.shape, ctx.whole, ctx.whole_cached_tokens)
+    if decision.yield_prefill:
+        slow = background_candidate(ctx, d_queue)
+        if slow is not None:
+            return dataclasses.replace(slow, chunk_tokens=None)
+    return predict.local(ctx.shape, ctx.decode, ctx.num_cached_tokens, d_queue)

@@ -34,20 +34,24 @@ def test_a_weighted_rate_sums_the_weights_of_the_window():
 def test_the_oldest_placement_past_the_cap_leaves_the_sum_too():
     rate = ArrivalRate(window_s=1000.0)
     for i in range(MAX_KEPT + 10):
-        rate.add("d1", float(i), 1.0 if i < 10 else 2.0)
+        rate.add("d1", float(i), 1.0 if i < 10 else 2.0, tag=0.1 if i < 10 else 0.2)
     assert rate.rate("d1", float(MAX_KEPT + 10)) == pytest.approx(2.0 * MAX_KEPT / 1000.0)
+    assert rate.tag_counts("d1", float(MAX_KEPT + 10)) == ((0.2, MAX_KEPT),)  # and its tag's count
 
 
-def test_a_tag_is_kept_per_placement_and_never_summed():
+def test_a_tag_is_counted_per_placement_and_never_summed():
     rate = ArrivalRate(window_s=10.0)
     rate.add("d1", 0.0, tag=math.inf)  # a request without a TTFT objective
     rate.add("d1", 5.0, tag=0.25)
+    rate.add("d1", 5.5, tag=0.25)
     rate.add("d1", 6.0)  # untagged
-    assert rate.tags("d1", 6.0) == (math.inf, 0.25)
-    assert rate.rates("d1", 6.0) == (pytest.approx(0.3),)
-    assert rate.tags("d1", 12.0) == (0.25,)  # the first has left the window
-    assert rate.rates("d1", 12.0) == (pytest.approx(0.2),)
-    assert rate.recent("d1", 12.0) == ((1.0,), (1.0,))
+    assert rate.tag_counts("d1", 6.0) == ((0.25, 2), (math.inf, 1))
+    assert rate.rates("d1", 6.0) == (pytest.approx(0.4),)
+    assert rate.tag_counts("d1", 12.0) == ((0.25, 2),)  # the first has left the window
+    assert rate.rates("d1", 12.0) == (pytest.approx(0.3),)
+    assert rate.recent("d1", 12.0) == ((1.0,), (1.0,), (1.0,))
+    assert rate.tag_counts("d1", 15.7) == ()
+    assert rate.tag_counts("nowhere", 0.0) == ()
 
 
 def test_the_view_counts_the_prompt_tokens_placed_to_be_computed_on_a_replica():

@@ -244,20 +244,21 @@ def test_a_long_prompt_that_meets_on_both_routes_leaves_the_decode_replica_to_th
 
     cpu = StepCoefficients(0.01, 8e-4, 0.0, 5e-4, 0.0)  # a prompt token costs 0.8 ms, as on the bench's CPU
 
-    def decided(prompt_len: int, objectives: tuple[float, ...], slo: SLO = slo_long):
-        d = replica("d1", coefficients=cpu, arrival_ttft_objectives=objectives, arrival_rate=len(objectives) / 10.0)
+    def decided(prompt_len: int, objectives: tuple[tuple[float, int], ...], slo: SLO = slo_long):
+        arrivals = sum(n for _, n in objectives)
+        d = replica("d1", coefficients=cpu, arrival_ttft_objectives=objectives, arrival_rate=arrivals / 10.0)
         return decide(ctx(prompt_len=prompt_len, slo=slo, decode=d, prefills=(replica("p1", "prefill", coefficients=cpu),)))
 
     quiet = decided(1496, ())
     assert (quiet.route, quiet.candidate.kind) == ("local", "local") and quiet.candidate.blocking_s > 0.1
-    busy = decided(1496, (0.165,) * 40)
+    busy = decided(1496, ((0.165, 40),))
     assert (busy.route, busy.reason) == ("disagg", "slo-disagg")
     alternatives = {a.candidate.kind: a for a in busy.alternatives}
     # the prompt meets on both; locally, the arrivals more than 165 ms before its end miss
     local = alternatives["local"]
     assert local.meets and alternatives["remote"].loss == 0.0
     assert local.loss == pytest.approx(40 * (local.candidate.blocking_s - 0.165) / 10.0)
-    assert decided(100, (0.165,) * 40, SLO(ttft_ms=165, tpot_ms=136)).candidate.kind == "local"
+    assert decided(100, ((0.165, 40),), SLO(ttft_ms=165, tpot_ms=136)).candidate.kind == "local"
 
 
 def test_the_view_lists_the_ttft_objective_of_each_request_placed_to_decode_there():
@@ -268,9 +269,9 @@ def test_the_view_lists_the_ttft_objective_of_each_request_placed_to_decode_ther
         inputs = PolicyInputs(slo=SLO(ttft_ms=ttft_ms, tpot_ms=50), now=at)
         view.begin(place(view, [1] * 40, 17, local, None, offload_to_prefill=False, inputs=inputs))
     d = view.replicas["d1"]
-    assert view.load_of(d, now=3.0, arrival_objectives=True).arrival_ttft_objectives == (0.5, 0.15)
+    assert view.load_of(d, now=3.0, arrival_objectives=True).arrival_ttft_objectives == ((0.15, 1), (0.5, 1))
     assert view.load_of(d, now=3.0).arrival_ttft_objectives == ()  # only where asked
-    assert view.load_of(d, now=11.5, arrival_objectives=True).arrival_ttft_objectives == (0.15,)  # 10 s window
+    assert view.load_of(d, now=11.5, arrival_objectives=True).arrival_ttft_objectives == ((0.15, 1),)  # 10 s window
 
 
 def test_a_remote_prefill_counts_the_request_running_whole_on_its_prefill_replica():
@@ -291,7 +292,7 @@ def test_a_remote_prefill_counts_the_request_running_whole_on_its_prefill_replic
     assert decide(context).route == "local"  # the decode replica is idle: the prompt prefills there
     # unless short requests keep arriving there (4/s, a 215 ms TTFT objective): in the
     # foreground for two seconds the prompt would hold up about seven of them, remote one
-    arriving = replica("d1", coefficients=cpu, arrival_ttft_objectives=(0.215,) * 40, arrival_rate=4.0)
+    arriving = replica("d1", coefficients=cpu, arrival_ttft_objectives=((0.215, 40),), arrival_rate=4.0)
     assert decide(dataclasses.replace(context, decode=arriving)).route == "disagg"
     # with nothing running on the prefill replica, the same prompt costs nobody there
     idle = dataclasses.replace(context, prefills=(replica("p1", "prefill", coefficients=cpu),))
