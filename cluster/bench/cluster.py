@@ -102,7 +102,7 @@ def bench_cluster_cmd(
     if quick:  # the tiny model runs these ~10x faster than small: shorter and denser
         opts.preset, opts.repeats, opts.overhead_samples = "tiny", 1, min(overhead_samples, 6)
         opts.request_factor, opts.prompt_factor = 0.25, 0.5
-        opts.scenario_span_s, opts.scenario_num_long, opts.shift_half_s = 10.0, 8, 4.0
+        opts.scenario_span_s, opts.scenario_num_long, opts.shift_half_s = 7.0, 6, 3.0
     opts.num_requests = num_requests
     opts.save_steps = save_steps
     console = Console(stderr=True, log_path=False)
