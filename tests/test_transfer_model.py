@@ -96,6 +96,37 @@ def test_tail_samples_age_out_to_the_default():
     assert fit.coefficients.num_samples == 1 and fit.predict(1e5) > DEFAULT_TRANSFER.fixed_s
 
 
+def test_a_link_that_stalls_for_seconds_is_followed_after_two_transfers():
+    """A miss by whole seconds is a remote request late by as much: two in a row restart
+    the fit, where a moderate change (3x, milliseconds) still takes `CHANGE_RUN`. A
+    young fit (four samples) follows too."""
+    from workers.engine.transfer_cost import BIG_CHANGE_RUN, CHANGE_RUN, TransferCostFit
+
+    for num_before in (4, 50):
+        fit = TransferCostFit()
+        for _ in range(num_before):
+            fit.observe(1e6, 0.005)
+        for _ in range(BIG_CHANGE_RUN - 1):
+            fit.observe(1e6, 3.9)
+        assert fit.predict(1e6) < 0.1
+        fit.observe(1e6, 3.9)
+        assert fit.predict(1e6) == pytest.approx(3.9, rel=0.01) and fit.coefficients.num_samples == BIG_CHANGE_RUN
+
+    moderate = TransferCostFit()
+    for _ in range(50):
+        moderate.observe(1e6, 0.005)
+    for _ in range(CHANGE_RUN - 1):
+        moderate.observe(1e6, 0.015)
+    assert moderate.predict(1e6) < 0.008
+    moderate.observe(1e6, 0.015)
+    assert moderate.predict(1e6) == pytest.approx(0.015, rel=0.01)
+
+    blip = TransferCostFit()  # one stall between ordinary transfers restarts nothing
+    for i in range(60):
+        blip.observe(1e6, 3.9 if i % 10 == 9 else 0.005)
+    assert blip.coefficients.num_samples == 60 and blip.predict(1e6) < 0.1
+
+
 def test_a_changed_link_is_followed_within_a_few_transfers():
     """A link that slows down (or recovers) is refitted from its new samples after
     `CHANGE_RUN` misses in a row, not averaged against a window of the old link."""
