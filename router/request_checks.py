@@ -14,7 +14,7 @@ from router.errors import (
     max_tokens_over_limit,
 )
 from router.prompting import PromptBuilder
-from workers.engine.grammar import validate_guided
+from workers.engine.grammar_text import validate_guided
 
 
 def engine_max_tokens(req, prompt_len: int, limits, max_model_len: int) -> int:

@@ -14,7 +14,8 @@ import torch
 from tests.engine_support import make_engine_fixture  # noqa: F401
 from tests.test_engine_kv_transfer import import_kv, prefill_remotely
 from workers.engine import SamplingParams
-from workers.engine.grammar import GrammarCompiler, mask_disallowed, validate_guided
+from workers.engine.grammar import GrammarCompiler, mask_disallowed
+from workers.engine.grammar_text import validate_guided
 from workers.engine.sampler import SamplingRow
 from workers.engine.sampling_params import GuidedDecoding
 from workers.model_files import build_tokenizer

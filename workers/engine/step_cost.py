@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the router reads `StepRecord` and never loads torch
+    import torch
 
 YIELD_STEP_FRACTION = 0.5  # a background chunk's cost, in decode steps
 MIN_PREFILL_TOKENS = 64  # shorter chunks are dominated by per-step overhead, not tokens
