@@ -79,8 +79,11 @@ class Drain:
         still carry. A stream a few tokens from its end sees only the first: the
         foreground's full-budget chunks come first, a background prompt's small ones
         trail on after them."""
-        head = (float(self.steps), self.seconds / self.steps) if self.steps else (0.0, 0.0)
-        return head, (float(self.after_steps), self.after_step_s)
+        steps, after = self.steps, self.busy_steps - self.steps  # `after_steps`, inlined: per candidate
+        head = (float(steps), self.seconds / steps) if steps else (0.0, 0.0)
+        if after <= 0:
+            return head, (0.0, 0.0)
+        return head, (float(after), (self.busy_s - self.seconds) / after)
 
 
 def token_cost(c: StepCoefficients, tokens: float, work: float) -> float:
