@@ -65,12 +65,12 @@ def _matching(decision: RouteDecision, ctx: RouteContext) -> Candidate | None:
     size), else the foreground."""
     if ctx.decode is None:
         return None
+    if ctx.whole is not None and decision.route != "disagg":  # priced on the prefill replica alone
+        return predict.whole(ctx.shape, ctx.whole, ctx.whole_cached_tokens)
     d_queue = drain(ctx.decode)
     if decision.route == "disagg":
         remote = remote_candidates(ctx, d_queue, limit=1)
         return remote[0] if remote else None
-    if ctx.whole is not None:
-        return predict.whole(ctx.shape, ctx.whole, ctx.whole_cached_tokens)
     if decision.yield_prefill:
         slow = background_candidate(ctx, d_queue)
         if slow is not None:
