@@ -127,6 +127,33 @@ def test_a_link_that_stalls_for_seconds_is_followed_after_two_transfers():
     assert blip.coefficients.num_samples == 60 and blip.predict(1e6) < 0.1
 
 
+def test_the_pooled_fit_drops_a_changed_links_old_samples():
+    """A decode peer never sent to is priced from the pooled fit, which holds the pairs'
+    windows as they stand: after one pair's link restarts, its old samples are gone from
+    the pool too, and every other pair's stay."""
+    from workers.engine.transfer_cost import BIG_CHANGE_RUN, TransferCosts
+
+    costs = TransferCosts()
+    for _ in range(50):
+        costs.observe("p0", FAST, 1e6, 0.005)
+    for i in range(BIG_CHANGE_RUN):  # the replica's link slows to seconds
+        costs.observe("p0", FAST, 1e6, 3.9)
+        assert costs.predict("p0", "joined-since", 1e6) < 0.1 or i == BIG_CHANGE_RUN - 1
+    assert costs.fit_for("p0", FAST).coefficients.num_samples == BIG_CHANGE_RUN
+    assert costs.predict("p0", "joined-since", 1e6) == pytest.approx(3.9, rel=0.01)
+
+    for _ in range(20):  # a second peer, fast: the pool is the two windows together
+        costs.observe("p0", SLOW, 1e6, 0.005)
+    assert costs.coefficients()["*"].num_samples == BIG_CHANGE_RUN + 20
+    for _ in range(6):  # the first link recovers, and its fit restarts: its stalls leave the pool
+        costs.observe("p0", FAST, 1e6, 0.004)
+    recovered = costs.fit_for("p0", FAST).samples()
+    assert max(seconds for *_, seconds in recovered) < 0.01
+    pool = costs.fit_for("p0", "joined-since").samples()
+    assert len(pool) == len(recovered) + 20 and max(seconds for *_, seconds in pool) < 0.01
+    assert costs.predict("p0", "joined-since", 1e6) < 0.01
+
+
 def test_a_changed_link_is_followed_within_a_few_transfers():
     """A link that slows down (or recovers) is refitted from its new samples after
     `CHANGE_RUN` misses in a row, not averaged against a window of the old link."""

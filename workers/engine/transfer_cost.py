@@ -24,6 +24,12 @@ much. Where a fit had to hold six samples first and a run of three, a live app w
 link began holding each KV layer 0.4 s (64-token prompts, one every 3 s, four before)
 priced the first four slowed prompts at 21-42 ms against 830 measured; now the third
 on is priced at 0.82 s.
+
+The pooled fit (for a decode peer this replica never sent to) is over the pairs' windows
+as they stand: when a pair's fit restarts, the pooled one is rebuilt from every pair's
+samples, so the old link's samples leave it too. Fed every sample and never restarted
+(its links differ, so a change cannot be told from a mix of peers), it priced a decode
+replica that joined after a link slowed from the window of the link as it had been.
 """
 
 from __future__ import annotations
@@ -95,32 +101,54 @@ class TransferCostFit:
             self.fit()
         return self._coefficients
 
-    def observe(self, num_bytes: float, seconds: float, at: float | None = None) -> None:
-        if seconds > 0 and num_bytes >= 0:
-            established = self._follow_changes and len(self._seconds) >= CHANGE_RUN
-            predicted = self.predict(num_bytes) if established else 0.0
-            side = _miss_side(predicted, seconds) if established else 0
-            big = side != 0 and _miss_side(predicted, seconds, BIG_CHANGE_RATIO, BIG_CHANGE_MIN_S) == side
-            self._bytes.append(float(num_bytes))
-            self._seconds.append(float(seconds))
-            self._at.append(time.time() if at is None else at)
-            self._stale = True
-            self._track_change(side, big)
+    def observe(self, num_bytes: float, seconds: float, at: float | None = None) -> bool:
+        """Learn one sample; True when it restarted the fit (the link changed)."""
+        if not (seconds > 0 and num_bytes >= 0):
+            return False
+        established = self._follow_changes and len(self._seconds) >= CHANGE_RUN
+        predicted = self.predict(num_bytes) if established else 0.0
+        side = _miss_side(predicted, seconds) if established else 0
+        big = side != 0 and _miss_side(predicted, seconds, BIG_CHANGE_RATIO, BIG_CHANGE_MIN_S) == side
+        self._bytes.append(float(num_bytes))
+        self._seconds.append(float(seconds))
+        self._at.append(time.time() if at is None else at)
+        self._stale = True
+        return self._track_change(side, big)
 
-    def _track_change(self, side: int, big: bool) -> None:
+    def samples(self) -> list[tuple[float, float, float]]:
+        """(at, bytes, seconds) of the samples in the window, oldest first."""
+        self._expire(time.time())
+        return list(zip(self._at, self._bytes, self._seconds, strict=True))
+
+    def refill(self, samples: Iterable[tuple[float, float, float]]) -> None:
+        """Start over from `samples` ((at, bytes, seconds), oldest first), keeping the
+        bandwidth fitted so far as the prior until sizes tell the terms apart."""
+        self._prior = self.coefficients
+        for window in (self._at, self._bytes, self._seconds):
+            window.clear()
+        for at, num_bytes, seconds in samples:
+            self._at.append(at)
+            self._bytes.append(num_bytes)
+            self._seconds.append(seconds)
+        self._run = (0, 0, False)
+        self._stale = True
+
+    def _track_change(self, side: int, big: bool) -> bool:
         if not side:
             self._run = (0, 0, False)
-            return
+            return False
         last, count, all_big = self._run
         count, all_big = (count + 1, all_big and big) if side == last else (1, big)
         self._run = (side, count, all_big)
         keep = count if count >= CHANGE_RUN or (all_big and count >= BIG_CHANGE_RUN) else 0
-        if keep and len(self._seconds) > keep:
-            for samples in (self._bytes, self._seconds, self._at):
-                for _ in range(len(samples) - keep):
-                    samples.popleft()
-            self._run = (0, 0, False)
-            self._prior = self._coefficients  # the old link's bandwidth until sizes tell them apart
+        if not keep or len(self._seconds) <= keep:
+            return False
+        for samples in (self._bytes, self._seconds, self._at):
+            for _ in range(len(samples) - keep):
+                samples.popleft()
+        self._run = (0, 0, False)
+        self._prior = self._coefficients  # the old link's bandwidth until sizes tell them apart
+        return True
 
     def _expire(self, now: float) -> None:
         if self._max_age_s is None:
@@ -183,8 +211,10 @@ class TransferCosts:
         pair = (prefill_id, decode_id)
         if pair not in self._pairs:
             self._pairs[pair] = TransferCostFit(self._window, self._default, self._max_age_s)
-        self._pairs[pair].observe(num_bytes, seconds, at)
-        self._pooled.observe(num_bytes, seconds, at)
+        if self._pairs[pair].observe(num_bytes, seconds, at):  # the link changed: so did the pool
+            self._pooled.refill(sorted(s for fit in self._pairs.values() for s in fit.samples()))
+        else:
+            self._pooled.observe(num_bytes, seconds, at)
 
     def fit_for(self, prefill_id: str, decode_id: str) -> TransferCostFit:
         """The pair's own fit; the pooled one for a pair never seen."""
