@@ -177,7 +177,9 @@ def corrected(candidate: Candidate, state: LearnedState, now: float) -> Predicti
     prompt there still waiting already is; its own TPOT and the streams beside it by what
     it measured of every stream on the decode replica (`corrections.STREAMS`; a background
     prefill's own TPOT by its own: `tpot_key`). Its TTFT then gains the hop between this
-    router and the replica it calls (`LearnedState.hop_s`), which no step model prices."""
+    router and the replica it calls (`LearnedState.hop_s`), which no step model prices. A
+    remote one's link is priced at least at the tail of a transfer that just stalled on
+    it, until the prefill replica's own fit has it (`LearnedState.link_tail_s`)."""
     learned_as = candidate.learned_as
     ttft = state.factor("ttft", candidate.ttft_learned_as, candidate.prefill_replica, now)
     tpot = state.factor("tpot", tpot_key(learned_as), candidate.decode_replica, now)
@@ -186,7 +188,11 @@ def corrected(candidate: Candidate, state: LearnedState, now: float) -> Predicti
         streams = max(streams, tpot)
     host = state.factor("tpot", STREAMS, candidate.prefill_replica, now) if candidate.host_streams else 1.0
     hop = state.hop_s(candidate.decode_replica)  # the replica the router calls
-    return candidate.prediction.scaled(ttft, tpot, candidate.overdue_x, streams, host, hop)
+    prediction = candidate.prediction
+    if state.links and candidate.kind == "remote":
+        prediction = prediction.with_tail_at_least(
+            state.link_tail_s(candidate.prefill_replica, candidate.decode_replica, now))
+    return prediction.scaled(ttft, tpot, candidate.overdue_x, streams, host, hop)
 
 
 def score(ctx: RouteContext, candidate: Candidate, prediction: Prediction, state: LearnedState = EMPTY,

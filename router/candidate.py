@@ -6,7 +6,7 @@ way of running it is predicted to cost (`Prediction`), and that way with its rep
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 Kind = Literal["remote", "local", "background", "whole"]
@@ -51,6 +51,12 @@ class Prediction:
         streams_tpot_s = self.streams_tpot_s * (tpot if streams is None else streams)
         return Prediction(ttft_s, self.tpot_s * tpot, streams_tpot_s, self.transfer_s * overdue,
                           self.host_streams_tpot_s * host_streams)
+
+    def with_tail_at_least(self, tail_s: float) -> Prediction:
+        """This prediction with its transfer tail raised to `tail_s` (itself when it is as slow)."""
+        if tail_s <= self.transfer_s:
+            return self
+        return replace(self, ttft_s=self.ttft_s + tail_s - self.transfer_s, transfer_s=tail_s)
 
 
 def scale_ttft(ttft_s: float, transfer_s: float, factor: float) -> float:

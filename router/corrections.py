@@ -32,8 +32,18 @@ A TTFT factor rescales only what the step models priced, not the KV transfer tai
 link has its own fit, which follows a changed link within a few transfers. A factor
 learned against the whole TTFT would keep rescaling after that fit caught up (a link
 that recovered leaves a factor far below 1 that then makes the next long prompt look
-cheap); so the tail is taken off both sides, and while the link's fit still lags, the
-time it missed by shows up in the factor until it catches up.
+cheap); so the tail is taken off both sides: the predicted one off the prediction, and
+off the measurement the tail the prefill replica measured (`Outcome.measured_transfer_s`,
+sent back on the request's stream), or the predicted one where it did not say.
+
+That measured tail is also the link's freshest evidence. The replica's fit learns it
+only at its next report, which reaches the router a second or so later; a request sent
+meanwhile was priced from the link as it had been (a link slowed to 0.8 s a transfer:
+the next prompt priced at 61-109 ms and sent down it, where the router's factor, capped
+and smoothed on a 30 ms model part, could not carry an 800 ms tail). So a tail that
+missed its prediction as the replica's fit calls a stall (`transfer_cost.BIG_CHANGE_*`)
+prices that pair's link at least that slow for `LINK_REPORT_S` (`LearnedState.link_tail_s`);
+by then the replica's own fit has it, and decides whether it was a change or a blip.
 
 Nor does it rescale the hop between the router and the replica it calls: the router's
 TTFT also holds its own work before the call (placement, dispatch) and the first token's
@@ -82,6 +92,7 @@ from types import MappingProxyType
 from typing import Literal
 
 from router.candidate import scale_ttft
+from workers.engine.transfer_cost import BIG_CHANGE_MIN_S, BIG_CHANGE_RATIO
 
 Metric = Literal["ttft", "tpot"]
 # (metric, what it is learned as, replica): TTFT by the replica that prefills, TPOT by
@@ -99,6 +110,9 @@ MIN_RESIDUALS = 16  # fewer: the route's spread is taken to be `PRIOR_SPREAD`
 # residuals: a median error of about 20%, what routers measured on the CPU bench
 PRIOR_SPREAD = 0.3
 HOP_SMOOTHING = 0.2  # weight of the newest hop measurement
+# how long a stalled transfer's measured tail prices its link: a prefill replica's
+# heartbeat (0.5 s) and a router's poll (0.5 s) carry its own fit of it here within this
+LINK_REPORT_S = 2.0
 MAX_HOP_S = 5.0  # one hop measurement counts as at most this
 ANY_REPLICA = "*"  # the hop key pooled over every replica
 STREAMS = "streams"  # the TPOT key learned from every route's outcomes on a replica
@@ -135,6 +149,7 @@ class Outcome:
     ttft_learned_as: str = ""  # the key of its TTFT correction (`Candidate.ttft_learned_as`); "" = `key`
     worker_ttft_s: float | None = None  # the called worker's own TTFT (`GenerateChunk.worker_ttft_s`)
     tpot_gaps: int = 0  # the gaps between tokens its TPOT is the mean of (0: unknown, taken as many)
+    measured_transfer_s: float | None = None  # the KV transfer's tail the prefill replica measured (disagg)
 
     @property
     def key(self) -> str:
@@ -165,6 +180,16 @@ class LearnedState:
     residuals_seen: Mapping[tuple[str, str], float] = field(default_factory=dict)
     prior_spread: float = 0.0  # `PRIOR_SPREAD` of a router's state; 0: predictions taken as exact until measured
     hops: Mapping[str, float] = field(default_factory=dict)  # replica (or `ANY_REPLICA`) -> smoothed hop
+    # (prefill replica, decode replica) -> (the tail of its last stalled transfer, when measured)
+    links: Mapping[tuple[str, str], tuple[float, float]] = field(default_factory=dict)
+
+    def link_tail_s(self, prefill_replica: str, decode_replica: str, now: float) -> float:
+        """The tail of the pair's last transfer, where it stalled within `LINK_REPORT_S`;
+        else 0 (the prefill replica's reported fit prices the link alone)."""
+        seen = self.links.get((prefill_replica, decode_replica))
+        if seen is None or now - seen[1] > LINK_REPORT_S:
+            return 0.0
+        return seen[0]
 
     def hop_s(self, replica: str) -> float:
         """The hop expected between the router and `replica`: its own, else every
@@ -224,6 +249,7 @@ class Corrections:
         self._residuals: dict[tuple[str, str], deque[float]] = {}
         self._residuals_seen: dict[tuple[str, str], float] = {}
         self._hops: dict[str, float] = {}
+        self._links: dict[tuple[str, str], tuple[float, float]] = {}
         self._snapshot: LearnedState | None = None
 
     def observe(self, outcome: Outcome, now: float) -> None:
@@ -236,8 +262,11 @@ class Corrections:
         self._residual(("tpot", own_tpot), own_tpot, outcome.decode_replica, outcome.predicted_tpot_s,
                        outcome.measured_tpot_s, state, now)
         hop = outcome.hop_s
+        measured_tail = tail if outcome.measured_transfer_s is None else outcome.measured_transfer_s
         self._update(("ttft", outcome.ttft_key, outcome.prefill_replica), outcome.predicted_ttft_s - tail,
-                     outcome.measured_ttft_s - tail - (expected_hop if hop is None else hop), now)
+                     outcome.measured_ttft_s - measured_tail - (expected_hop if hop is None else hop), now)
+        if outcome.measured_transfer_s is not None:
+            self._link(outcome, tail, outcome.measured_transfer_s, now)
         if hop is not None:
             self._hop(outcome.decode_replica, hop)
         if outcome.predicted_tpot_s is not None and outcome.measured_tpot_s is not None:
@@ -260,6 +289,14 @@ class Corrections:
         self._residuals.setdefault(spread, deque(maxlen=RESIDUALS)).append(measured / shown)
         self._residuals_seen[spread] = now
 
+    def _link(self, outcome: Outcome, predicted: float, measured: float, now: float) -> None:
+        """Keep a stalled transfer's tail for its pair; an ordinary one ends the last."""
+        pair = (outcome.prefill_replica, outcome.decode_replica)
+        if measured > BIG_CHANGE_RATIO * predicted and measured - predicted > BIG_CHANGE_MIN_S:
+            self._links[pair] = (measured, now)
+        else:
+            self._links.pop(pair, None)
+
     def _hop(self, replica: str, hop: float) -> None:
         for key in (replica, ANY_REPLICA):
             old = self._hops.get(key)
@@ -279,7 +316,8 @@ class Corrections:
             self._snapshot = LearnedState(MappingProxyType(dict(self._corrections)),
                                           MappingProxyType(dict(self._last_seen)), self.half_life_s,
                                           MappingProxyType(residuals), MappingProxyType(dict(self._residuals_seen)),
-                                          self.prior_spread, MappingProxyType(dict(self._hops)))
+                                          self.prior_spread, MappingProxyType(dict(self._hops)),
+                                          MappingProxyType(dict(self._links)))
         return self._snapshot
 
     def reset(self) -> None:
@@ -287,6 +325,7 @@ class Corrections:
         self._last_seen.clear()
         self._residuals.clear()
         self._residuals_seen.clear()
+        self._links.clear()
         self._snapshot = None  # the hops stay: they measure the path, not the models, and every request re-measures them
 
     def hops(self) -> dict[str, float]:

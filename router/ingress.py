@@ -254,7 +254,8 @@ class Router:
         if len(calls) == 1:
             placement = calls[0].placement
             first = calls[0].first
-            learn = lambda ttft, tpot: self.learner.learn(placement, ttft, tpot, first.worker_ttft_s)  # noqa: E731
+            learn = lambda ttft, tpot, tail: self.learner.learn(  # noqa: E731
+                placement, ttft, tpot, first.worker_ttft_s, tail)
         timing = streaming.Timing(self.metrics, calls[0].route, workload, arrival, learn, tenant=tenant)
         if req.stream:
             chunks = streaming.stream_sse(runs, shape, req.include_usage, timing)

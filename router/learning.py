@@ -36,13 +36,14 @@ class PolicyLearner:
         return PolicyInputs(request_id, slo, self.corrections.snapshot(), self.clock(), self.policy)
 
     def learn(self, placement: Placement, ttft_s: float, tpot_s: float | None,
-              worker_ttft_s: float | None = None) -> None:
+              worker_ttft_s: float | None = None, transfer_tail_s: float | None = None) -> None:
         """Observe one finished request, under the route the policy chose (even where the
         worker fell back: a failing remote path is what must show up as slow), with the
-        called worker's own TTFT where it said (the rest is the hop to it)."""
+        called worker's own TTFT where it said (the rest is the hop to it) and its KV
+        transfer's tail where the prefill replica said it."""
         placement.measured_ttft_s, placement.measured_tpot_s = ttft_s, tpot_s
         placement.worker_ttft_s = worker_ttft_s
-        outcome = outcome_of(placement, ttft_s, tpot_s, worker_ttft_s)
+        outcome = outcome_of(placement, ttft_s, tpot_s, worker_ttft_s, transfer_tail_s)
         if outcome is None:
             return
         shown = placement.decision.prediction  # what the headers said (corrected)
@@ -101,19 +102,22 @@ class PolicyLearner:
             }
         for rid, entry in corrections.items():  # replicas that left the view since
             replicas[rid] = {"corrections": entry}
-        last = {route: round(wall - (now - t), 3) for route, t in self.corrections.snapshot().last_seen.items()}
+        state = self.corrections.snapshot()
+        last = {route: round(wall - (now - t), 3) for route, t in state.last_seen.items()}
+        stalled = {f"{p}->{d}": {"tail_s": round(tail, 4), "measured_at": round(wall - (now - at), 3)}
+                   for (p, d), (tail, at) in sorted(state.links.items()) if state.link_tail_s(p, d, now) > 0}
         return {"router": self.router_id, "reset_at": self.reset_at,
                 "settings": {"explore_fraction": self.policy.explore_fraction,
                              "stale_after_s": self.policy.stale_after_s,
                              "correction_half_life_s": self.settings.correction_half_life_s,
                              "transfer_cost_max_age_s": self.settings.transfer_cost_max_age_s,
                              "default_slo": self.settings.default_slo.model_dump()},
-                "last_measured": last, "prediction_error": self.prediction_error(),
+                "last_measured": last, "prediction_error": self.prediction_error(), "stalled_links": stalled,
                 "hop_s": _rounded(hops.get(ANY_REPLICA)), "replicas": replicas}
 
 
 def outcome_of(placement: Placement, ttft_s: float, tpot_s: float | None,
-               worker_ttft_s: float | None = None) -> Outcome | None:
+               worker_ttft_s: float | None = None, transfer_tail_s: float | None = None) -> Outcome | None:
     """The outcome to learn from, or None when the decision carried no prediction. TPOT
     only for a single stream (n sequences interleave in one response)."""
     decision = placement.decision
@@ -125,7 +129,8 @@ def outcome_of(placement: Placement, ttft_s: float, tpot_s: float | None,
     tokens = placement.tokens_back or placement.max_tokens  # streamed back; where untracked, as many as asked
     return Outcome(decision.route, candidate.prefill_replica, candidate.decode_replica, raw.ttft_s, ttft_s,
                    raw.tpot_s if measured_tpot is not None else None, measured_tpot, raw.transfer_s,
-                   candidate.learned_as, candidate.ttft_learned_as, worker_ttft_s, tpot_gaps=max(0, tokens - 1))
+                   candidate.learned_as, candidate.ttft_learned_as, worker_ttft_s, tpot_gaps=max(0, tokens - 1),
+                   measured_transfer_s=transfer_tail_s if decision.route == "disagg" else None)
 
 
 def _rounded(seconds: float | None) -> float | None:

@@ -40,12 +40,13 @@ class Timing:
     `content()` stamps a chunk's arrival; `record()` turns the stamps into observations.
     A stream calls `record()` after it has handed the chunk on, so the metrics (a
     Prometheus and a Ray histogram each) never delay a token on its way to the client.
-    `finish()` hands `on_finish` the request's TTFT and TPOT (mean gap after the first
-    token; None under two tokens), which the routing policy learns from. `failed()` counts
-    a request a time limit ended, by its `tenant`."""
+    `finish()` hands `on_finish` the request's TTFT, TPOT (mean gap after the first
+    token; None under two tokens) and the KV transfer's tail where a chunk said it
+    (`GenerateChunk.transfer_tail_s`; else None), which the routing policy learns from.
+    `failed()` counts a request a time limit ended, by its `tenant`."""
 
     def __init__(self, router_metrics: metrics.RouterMetrics, route: str, workload: str, arrival: float,
-                 on_finish: Callable[[float, float | None], None] | None = None,
+                 on_finish: Callable[[float, float | None, float | None], None] | None = None,
                  tenant: str = ANONYMOUS) -> None:
         self.metrics, self.route, self.workload = router_metrics, route, workload
         self.tenant = tenant
@@ -53,8 +54,16 @@ class Timing:
         self.first: float | None = None
         self.last: float | None = None
         self.num_tokens = 0
+        self.transfer_tail_s: float | None = None
         self.on_finish = on_finish
         self._pending: list[tuple[bool, float]] = []  # (is the first token, seconds)
+
+    def chunk(self, chunk: GenerateChunk) -> None:
+        """Stamp a chunk that carries content, and keep what it says of its transfer."""
+        if chunk.transfer_tail_s is not None:
+            self.transfer_tail_s = chunk.transfer_tail_s
+        if chunk.token_ids or chunk.text:
+            self.content(max(1, len(chunk.token_ids)))
 
     def content(self, num_tokens: int = 1) -> None:
         now = time.perf_counter()
@@ -82,7 +91,7 @@ class Timing:
         self.metrics.observe_e2e(self.route, self.workload, (self.last or time.perf_counter()) - self.arrival)
         if self.on_finish is not None and self.first is not None:
             tpot = (self.last - self.first) / (self.num_tokens - 1) if self.num_tokens >= 2 else None
-            self.on_finish(self.first - self.arrival, tpot)
+            self.on_finish(self.first - self.arrival, tpot, self.transfer_tail_s)
 
 
 async def all_chunks(call: dispatch.Call):
@@ -158,8 +167,7 @@ async def stream_sse(runs: list[PromptRun], shape: ResponseShape, include_usage:
                 timing.failed(dispatch.worker_error(chunk.error))
                 yield sse.error_events({"error": chunk.error})
                 return
-            if chunk.token_ids or chunk.text:
-                timing.content(max(1, len(chunk.token_ids)))
+            timing.chunk(chunk)
             state = _state_for(states, run, chunk, shape.n)
             piece = shape.piece(state, chunk)
             finish = chunk.finish_reason if chunk.finished else None
@@ -192,8 +200,7 @@ async def collect_json(runs: list[PromptRun], shape: ResponseShape, timing: Timi
                 error = dispatch.worker_error(chunk.error)
                 timing.failed(error)
                 return error_response(error, headers)
-            if chunk.token_ids or chunk.text:
-                timing.content(max(1, len(chunk.token_ids)))
+            timing.chunk(chunk)
             shape.piece(_state_for(states, run, chunk, shape.n), chunk)
     except dispatch.WORKER_FAILURES as e:
         raise APIError(503, f"The serving replica failed: {type(e).__name__}", code="replica_failed") from None

@@ -101,6 +101,18 @@ def test_disagg_equals_offline(workers, expected):
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
+def test_a_disaggregated_stream_says_its_transfers_tail(workers):
+    """Once the prefill replica replied, one chunk carries the tail it measured; a local
+    stream carries none."""
+    handle, _, _, prefill_id = workers
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)  # long enough for the reply
+    _, remote = _run(handle, _request("disagg", "long-prompt", prefill_replica=prefill_id, params=params))
+    tails = [c.transfer_tail_s for c in remote if c.transfer_tail_s is not None]
+    assert len(tails) == 1 and 0.0 <= tails[0] < 5.0, tails
+    _, local = _run(handle, _request("local", "short-prompt", params=params))
+    assert all(c.transfer_tail_s is None for c in local)
+
+
 def test_disagg_text_equals_local(workers):
     """The first token's text arrives exactly once on the disaggregated route: a stream's
     text and finish are the local route's, also when a stop string or max_tokens=1 ends

@@ -70,7 +70,7 @@ class DecodeWorker(EngineWorker):
 
     async def _disagg(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         try:
-            res, first, prompt_logprobs = await self._remote_prefill(req)
+            res, first, prompt_logprobs, call = await self._remote_prefill(req)
         except RemotePrefillFailed as exc:
             log.warning("request %s: remote prefill failed (%s: %s); prefilling locally",
                         req.request_id, exc.reason, exc)
@@ -82,7 +82,10 @@ class DecodeWorker(EngineWorker):
         stream = self.engine.generate_from_kv(res, request_id, req.params, first.token_id, req.seed,
                                               first_logprob=first.logprob, prompt_logprobs=prompt_logprobs,
                                               siblings=first.siblings, deadline=req.deadline)
+        told = False  # the transfer's tail goes back once, on the first chunk after the reply
         async for chunk in self.label_first(stream, req, "disagg", req.reason):
+            if not told and call.done():
+                chunk.transfer_tail_s, told = _tail_of(call), True
             yield chunk
 
     async def __del__(self) -> None:
@@ -91,13 +94,15 @@ class DecodeWorker(EngineWorker):
             self.prefill_streams.close()
 
     async def _remote_prefill(
-            self, req: GenerateRequest) -> tuple[KVReservation, FirstToken, list[TokenLogprob | None] | None]:
+            self, req: GenerateRequest,
+    ) -> tuple[KVReservation, FirstToken, list[TokenLogprob | None] | None, asyncio.Task]:
         """Returns (reservation, first token) with every layer written, or raises
         RemotePrefillFailed having released everything it took. The first token (with its
         logprob when the request asked for logprobs) comes
         with the last layer, from the receiver: the commit need not wait for the prefill
         call's reply, unless the request asked for prompt logprobs, which come in that
-        reply (`PrefillResult.prompt_logprobs`) and are returned third."""
+        reply (`PrefillResult.prompt_logprobs`) and are returned third. Fourth, the call,
+        which may still be finishing (its reply says the transfer's tail)."""
         can_call = self.prefill_handle is not None or (req.prefill_address and self.prefill_streams)
         if not can_call or not req.prefill_replica:
             raise RemotePrefillFailed("prefill-unhealthy", "no prefill replica")
@@ -125,7 +130,7 @@ class DecodeWorker(EngineWorker):
             call.cancel()
             raise
         call.add_done_callback(_retrieve_exception)  # may still be finishing; never awaited
-        return res, first, prompt_logprobs
+        return res, first, prompt_logprobs, call
 
     @staticmethod
     async def _await_prompt_logprobs(call: asyncio.Task, timeout_s: float) -> list[TokenLogprob | None]:
@@ -174,6 +179,14 @@ class DecodeWorker(EngineWorker):
             raise RemotePrefillFailed("prefill-failed", f"{exc.kind}: {exc}") from None
         finally:
             transfer.cancel()
+
+
+def _tail_of(call: asyncio.Task) -> float | None:
+    """The transfer's tail from the prefill call's reply, once it came (it follows the
+    last layer's acknowledgement by one message); None before, or when the call failed."""
+    if not call.done() or call.cancelled() or call.exception() is not None:
+        return None
+    return call.result().tail_s
 
 
 def _retrieve_exception(task: asyncio.Task) -> None:

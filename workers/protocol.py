@@ -63,6 +63,11 @@ class GenerateChunk:
     # Set on the first chunk with a token: seconds from the worker taking the call to that
     # chunk, on the worker's own clock (the router's TTFT less this is the hop between them)
     worker_ttft_s: float | None = None
+    # Set on one chunk of a disaggregated request, the first after the prefill replica
+    # replied (none when the stream ended first): its KV transfer's exposed tail
+    # (`PrefillResult.tail_s`), which the router learns the link from at once, before the
+    # replica's next report carries it
+    transfer_tail_s: float | None = None
 
 
 @dataclass
@@ -94,6 +99,10 @@ class PrefillResult:
     num_bytes: int  # KV bytes sent
     seconds: float  # prefill + transfer, on the prefill side
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with params.prompt_logprobs
+    # from the prompt computed (its last layer handed to the sender) to the decode side's
+    # acknowledgement: what the transfer added to time to first token (the record's tail);
+    # None from a replica that does not say
+    tail_s: float | None = None
 
 
 @dataclass

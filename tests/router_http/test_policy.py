@@ -90,6 +90,7 @@ def test_admin_policy_shows_models_and_corrections_and_resets(client):
         if "role" in replica:
             assert {"fixed_s", "prefill_token_s", "decode_seq_s", "num_samples"} <= replica["step_model"].keys()
     assert learned, policy
+    assert policy["stalled_links"] == {}, policy  # no transfer stalled on these links
     entry = next(iter(next(iter(learned.values()))["corrections"].values()))
     assert entry["factor"] > 0 and entry["num_samples"] >= 1 and entry["updated_at"] > 0
     assert any("*" in t for t in transfers if t), transfers

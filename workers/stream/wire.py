@@ -189,16 +189,22 @@ def chunk_from_wire(raw: Any) -> GenerateChunk:
     chunk = _reply(raw, GenerateChunk)
     if type(chunk.index) is not int or chunk.index < 0:
         raise StreamRejected("chunk index must be a non-negative integer")
-    seconds = chunk.worker_ttft_s
-    if seconds is not None and (type(seconds) not in (int, float) or not 0 <= seconds < math.inf):
-        raise StreamRejected("worker_ttft_s must be a non-negative number of seconds")
+    for name in ("worker_ttft_s", "transfer_tail_s"):
+        if not _seconds_or_none(getattr(chunk, name)):
+            raise StreamRejected(f"{name} must be a non-negative number of seconds")
     return chunk
+
+
+def _seconds_or_none(value: Any) -> bool:
+    return value is None or (type(value) in (int, float) and 0 <= value < math.inf)
 
 
 def prefill_result_from_wire(raw: Any) -> PrefillResult:
     result = _reply(raw, PrefillResult)
     if not all(type(getattr(result, n)) is int for n in ("num_cached_tokens", "num_bytes")):
         raise StreamRejected("prefill result has the wrong types")
+    if not _seconds_or_none(result.tail_s):
+        raise StreamRejected("tail_s must be a non-negative number of seconds")
     return result
 
 

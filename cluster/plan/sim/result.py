@@ -28,6 +28,7 @@ class SimRequest:
     dispatched_at: float | None = None  # the call reached the replica the router placed it on
     first_at: float | None = None
     end_at: float | None = None
+    transfer_tail_s: float | None = None  # disagg: its KV's time on the network after the prefill
     token_steps: list = field(default_factory=list)  # (engine step_ends, segments) of the decoding sequence
     decode_seq: object = None  # disagg: the sequence holding its reserved blocks on the decode replica
     fallback: str | None = None  # the worker's own reason when it prefilled locally instead (decode-busy)

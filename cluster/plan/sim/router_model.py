@@ -68,10 +68,10 @@ class SimRouter:
         self.feedback_wall_s += time.perf_counter() - start
 
     def finished(self, placement: Placement, ttft_s: float, tpot_s: float | None, now: float,
-                 worker_ttft_s: float | None = None) -> None:
+                 worker_ttft_s: float | None = None, transfer_tail_s: float | None = None) -> None:
         start = time.perf_counter()
         self.view.end(placement)
-        outcome = outcome_of(placement, ttft_s, tpot_s, worker_ttft_s)
+        outcome = outcome_of(placement, ttft_s, tpot_s, worker_ttft_s, transfer_tail_s)
         if outcome is not None:
             self.corrections.observe(outcome, now)
         self.feedback_wall_s += time.perf_counter() - start

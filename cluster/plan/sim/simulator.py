@@ -159,6 +159,7 @@ class Simulation:
 
         def arrived(t: float) -> None:
             waits.acknowledged(request.request_id)
+            request.transfer_tail_s = t - now
             engine.cache.insert(placement.hashes)
             engine.import_kv(decode_seq, t)
 
@@ -176,7 +177,7 @@ class Simulation:
         n = request.output_len
         tpot = (now - request.first_at) / (n - 1) if n >= 2 else None
         self.router.finished(request.placement, request.first_at - request.arrival_s, tpot, now,
-                             request.first_at - request.dispatched_at)
+                             request.first_at - request.dispatched_at, request.transfer_tail_s)
         self.num_done += 1
 
     # -- the result ----------------------------------------------------------------------------
