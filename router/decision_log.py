@@ -69,14 +69,15 @@ def describe(request_id: str, workload: str, at: float, placement: Placement) ->
 
 def _predicted_and_measured(placement: Placement) -> dict[str, float | None]:
     """What the response headers said (corrected) beside what the router then measured
-    (arrival to first token; the mean gap after it), and the called worker's own TTFT
-    (from the call to its first token: the rest is the hop); None until the request
-    finished (the worker's, also where it did not say)."""
+    (arrival to first token; the mean gap after it), the called worker's own TTFT
+    (from the call to its first token: the rest is the hop) and, disaggregated, the KV
+    transfer's tail the prefill replica measured; None until the request finished (the
+    worker's and the tail, also where they were not said)."""
     shown = placement.decision.prediction
     return {"predicted_ttft_ms": _ms(shown.ttft_s) if shown else None,
             "predicted_tpot_ms": _ms(shown.tpot_s) if shown else None,
             "measured_ttft_ms": _ms(placement.measured_ttft_s), "measured_tpot_ms": _ms(placement.measured_tpot_s),
-            "worker_ttft_ms": _ms(placement.worker_ttft_s)}
+            "worker_ttft_ms": _ms(placement.worker_ttft_s), "transfer_tail_ms": _ms(placement.transfer_tail_s)}
 
 
 def _load(r: ReplicaLoad) -> dict[str, Any]:

@@ -42,7 +42,7 @@ class PolicyLearner:
         called worker's own TTFT where it said (the rest is the hop to it) and its KV
         transfer's tail where the prefill replica said it."""
         placement.measured_ttft_s, placement.measured_tpot_s = ttft_s, tpot_s
-        placement.worker_ttft_s = worker_ttft_s
+        placement.worker_ttft_s, placement.transfer_tail_s = worker_ttft_s, transfer_tail_s
         outcome = outcome_of(placement, ttft_s, tpot_s, worker_ttft_s, transfer_tail_s)
         if outcome is None:
             return

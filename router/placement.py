@@ -77,6 +77,7 @@ class Placement:
     measured_ttft_s: float | None = None  # router-side, once it finished (the decision log)
     measured_tpot_s: float | None = None  # its mean gap after the first token (two tokens or more)
     worker_ttft_s: float | None = None  # the called worker's own TTFT, where it said (`GenerateChunk`)
+    transfer_tail_s: float | None = None  # disagg: its KV transfer's tail, where the stream said it
 
     def tpot_allowance(self, now: float | None) -> float | None:
         """The mean gap its streams can still take over the tokens they have left and

@@ -65,9 +65,10 @@ def test_a_finished_request_shows_what_was_measured_beside_what_was_predicted():
     assert entry["predicted_tpot_ms"] == round(shown.tpot_s * 1e3, 3) > 0
     assert entry["measured_ttft_ms"] is None and entry["measured_tpot_ms"] is None  # still running
     learner = PolicyLearner(RouterSettings(), RouterMetrics("m"), "router-1", clock=lambda: 2.0)
-    learner.learn(placement, 0.25, 0.0125)
+    learner.learn(placement, 0.25, 0.0125, transfer_tail_s=0.004)
     (entry,) = log.read()
     assert (entry["measured_ttft_ms"], entry["measured_tpot_ms"]) == (250.0, 12.5)
+    assert entry["transfer_tail_ms"] == 4.0
 
 
 def test_an_entry_is_stamped_when_it_was_decided_not_when_its_call_started():

@@ -125,6 +125,11 @@ def test_admin_decisions_explain_each_route_with_every_candidate_priced(client):
     d = ours[-1]
     assert d["route"] in ("local", "disagg") and d["prompt_len"] > 0 and d["max_tokens"] == 3
     assert 0 < d["worker_ttft_ms"] <= d["measured_ttft_ms"], d  # the worker's span is inside the router's
+    tail = d["transfer_tail_ms"]
+    if d["route"] == "local":
+        assert tail is None, d
+    elif tail is not None:  # a remote prompt's transfer tail, where its stream said it before ending
+        assert 0 <= tail <= d["measured_ttft_ms"], d
     kinds = {a["kind"] for a in d["alternatives"]}
     assert d["kind"] in kinds and {"local", "remote"} <= kinds
     assert all(a["ttft_ms"] > 0 and isinstance(a["meets"], bool) for a in d["alternatives"])
