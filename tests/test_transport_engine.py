@@ -130,6 +130,7 @@ def test_a_completed_transfer_leaves_a_record_on_its_sender(tiny_model_dir, back
         assert record.num_bytes == layout.layer_nbytes(layout.num_blocks(len(PROMPT))) * layout.num_layers
         assert record.data_path == ("local" if backend == "local" else sink.data_path) != "none"
         assert 0 < record.tail_seconds <= record.seconds
+        assert sink.tail_seconds == record.tail_seconds  # what the prefill replica's reply says
         assert record.start_time > 0
         assert record.peer == receiver.address != ""  # the receiver it went to
     finally:

@@ -188,6 +188,9 @@ class SenderSink(ABC):
         self.peer = ""  # the receiver's address, for the record (set by the sender with on_record)
         self._num_bytes = self._num_layers = 0
         self._start_time = self._first_layer_at = self._last_layer_at = 0.0
+        # once acknowledged: from the last layer handed to the acknowledgement (the record's
+        # `tail_seconds`); None before, or when no layer was sent
+        self.tail_seconds: float | None = None
 
     def layer_handed(self, kv: torch.Tensor) -> None:
         """Subclasses call this from `on_layer`, before queueing the layer: the record's
@@ -242,12 +245,14 @@ class SenderSink(ABC):
     def succeed(self) -> bool:
         if self.result.done():
             return False
+        now = time.perf_counter()
+        if self._num_layers:  # set before the result: whoever awaits it reads it
+            self.tail_seconds = now - self._last_layer_at
         try:
             self.result.set_result(None)
         except Exception:  # noqa: BLE001
             return False
         if self.on_record is not None and self._num_layers:
-            now = time.perf_counter()
             self.on_record(TransferRecord(
                 self.transfer_id, self._num_bytes, self._num_layers, self.data_path, self._start_time,
                 now - self._first_layer_at, now - self._last_layer_at, self.peer))

@@ -69,19 +69,17 @@ class PrefillWorker(EngineWorker):
         request_id = self.engine.new_request_id(req.request_id)
         num_cached, prompt_logprobs = await self._run_prompt(request_id, req, sink)
         self.transfer_waits.computed(req.transfer_id, req.decode_address)
-        computed = time.perf_counter()
         try:
             await sink.wait_async()
         finally:
             self.transfer_waits.acknowledged(req.transfer_id)
-        acknowledged = time.perf_counter()
-        seconds = acknowledged - start
+        seconds = time.perf_counter() - start
         num_blocks = layout.num_blocks(len(req.prompt_token_ids)) - req.start_block
         num_bytes = layout.layer_nbytes(max(num_blocks, 0)) * layout.num_layers
         self.metrics.record_transfer(num_bytes, seconds, self.sender.backend)
         log.info("request %s: prefilled %d tokens, sent %d bytes to %s in %.1f ms", req.request_id,
                  len(req.prompt_token_ids), num_bytes, req.decode_address, seconds * 1e3)
-        return PrefillResult(num_cached, num_bytes, seconds, prompt_logprobs, tail_s=acknowledged - computed)
+        return PrefillResult(num_cached, num_bytes, seconds, prompt_logprobs, tail_s=sink.tail_seconds)
 
     async def _run_prompt(self, request_id: str, req: PrefillRequest,
                           sink: KVSink) -> tuple[int, list[TokenLogprob | None] | None]:

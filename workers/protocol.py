@@ -99,9 +99,9 @@ class PrefillResult:
     num_bytes: int  # KV bytes sent
     seconds: float  # prefill + transfer, on the prefill side
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with params.prompt_logprobs
-    # from the prompt computed (its last layer handed to the sender) to the decode side's
-    # acknowledgement: what the transfer added to time to first token (the record's tail);
-    # None from a replica that does not say
+    # from the prompt's last layer handed to the sender to the decode side's
+    # acknowledgement: what the transfer added to time to first token (its record's
+    # `tail_seconds`); None from a replica that does not say, or when no layer was sent
     tail_s: float | None = None
 
 
