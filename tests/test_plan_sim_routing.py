@@ -171,3 +171,18 @@ def test_auto_protects_streams_with_the_background_chunk_it_chose():
         assert gaps and max(gaps) <= limit <= 0.008
     # a chunk per decoding step until the streams were done: far slower than three full chunks
     assert long.ttft_s > 2 * 3 * (0.004 + 1024 * 2e-4)
+
+
+def test_a_simulated_transfers_tail_reaches_the_router_as_a_live_one_does():
+    """Each remote request's outcome carries its KV's time on the simulated network, as
+    a live stream brings back the prefill replica's measured tail; local ones carry none."""
+    profile = WorkloadProfile(mode="threshold", min_remote_prefill_tokens=300)
+    config = SimConfig(num_prefill=1, num_decode=1, profiles={"default": profile}, offload_local_to_prefill=False)
+    sim = Simulation(config, calibration())
+    seen = []
+    observe = sim.router.corrections.observe
+    sim.router.corrections.observe = lambda outcome, now: (seen.append(outcome), observe(outcome, now))
+    sim.run(_spread([64, 900] * 3, 0.5))
+    assert sorted(o.route for o in seen) == ["disagg"] * 3 + ["local"] * 3
+    assert all((o.measured_transfer_s is None) == (o.route == "local") for o in seen)
+    assert all(o.measured_transfer_s > 0 for o in seen if o.route == "disagg")
