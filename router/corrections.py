@@ -41,7 +41,7 @@ only at its next report, which reaches the router a second or so later; a reques
 meanwhile was priced from the link as it had been (a link slowed to 0.8 s a transfer:
 the next prompt priced at 61-109 ms and sent down it, where the router's factor, capped
 and smoothed on a 30 ms model part, could not carry an 800 ms tail). So a tail that
-missed its prediction as the replica's fit calls a stall (`transfer_cost.BIG_CHANGE_*`)
+missed its prediction as the replica's fit calls a stall (`transfer_cost.stalled`)
 prices that pair's link at least that slow for `LINK_REPORT_S` (`LearnedState.link_tail_s`);
 by then the replica's own fit has it, and decides whether it was a change or a blip.
 
@@ -92,7 +92,7 @@ from types import MappingProxyType
 from typing import Literal
 
 from router.candidate import scale_ttft
-from workers.engine.transfer_cost import BIG_CHANGE_MIN_S, BIG_CHANGE_RATIO
+from workers.engine.transfer_cost import stalled
 
 Metric = Literal["ttft", "tpot"]
 # (metric, what it is learned as, replica): TTFT by the replica that prefills, TPOT by
@@ -292,7 +292,7 @@ class Corrections:
     def _link(self, outcome: Outcome, predicted: float, measured: float, now: float) -> None:
         """Keep a stalled transfer's tail for its pair; an ordinary one ends the last."""
         pair = (outcome.prefill_replica, outcome.decode_replica)
-        if measured > BIG_CHANGE_RATIO * predicted and measured - predicted > BIG_CHANGE_MIN_S:
+        if stalled(predicted, measured):
             self._links[pair] = (measured, now)
         else:
             self._links.pop(pair, None)

@@ -173,6 +173,12 @@ class TransferCostFit:
         return c.fixed_s + num_bytes / c.bytes_per_s
 
 
+def stalled(predicted: float, seconds: float) -> bool:
+    """A transfer that took `seconds` against `predicted` stalled: over `BIG_CHANGE_RATIO`
+    times and `BIG_CHANGE_MIN_S` slower (what restarts a fit after `BIG_CHANGE_RUN`)."""
+    return _miss_side(predicted, seconds, BIG_CHANGE_RATIO, BIG_CHANGE_MIN_S) == 1
+
+
 def _miss_side(predicted: float, seconds: float, ratio: float = CHANGE_RATIO, min_s: float = CHANGE_MIN_S) -> int:
     """+1 / -1 when `seconds` is above / below `predicted` by `ratio` times and `min_s`, else 0."""
     if seconds > ratio * predicted and seconds - predicted > min_s:
