@@ -31,6 +31,7 @@ victims are still waiting, not only once they complete.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import Counter, deque
 from typing import TYPE_CHECKING
@@ -43,6 +44,7 @@ from router.prompt_tally import Since, pending
 from router.replica_info import ReplicaInfo
 from router.replica_load import DEFAULT_CHUNK_TOKENS, ReplicaLoad, from_stats
 from router.replica_queue import MAX_HEARTBEAT_AGE_S, QueueDrains, computed, queue_of, wake
+from workers.engine.cost_model import StepCoefficients
 
 if TYPE_CHECKING:
     from router.placement import Placement
@@ -78,6 +80,8 @@ class ClusterView:
         # per replica: its heartbeat parsed (`from_stats`), once per heartbeat rather than per
         # candidate per request (a prefill replica's transfer model has a fit per decode peer)
         self._heartbeat_loads: dict[str, tuple[ReplicaInfo, ReplicaLoad]] = {}
+        # per replica: its step model slowed by its busy neighbours, as last priced (`_slowed`)
+        self._slowed_models: dict[str, tuple[StepCoefficients, float, StepCoefficients]] = {}
         self.drains = QueueDrains()  # what a heartbeat's queue, and what was sent since, take to drain
         self.nodes: dict[str, list[ReplicaInfo]] = {}  # node id -> its healthy replicas (known ids only)
         # per replica: the requests this router placed to decode there lately, each with its TTFT objective
@@ -104,12 +108,46 @@ class ClusterView:
         self.index.retain(self.replicas)
         for rate in (self.arrivals, self.prompts):
             rate.forget(set(self.replicas))
-        self._heartbeat_loads.clear()
+        self._parse_heartbeats()
+        for role in ("decode", "prefill"):  # built here, not by the first decision after the heartbeat
+            self.healthy(role)
         self.drains.clear()
         self.nodes = {}
         for r in replicas:
             if r.node_id and r.healthy:
                 self.nodes.setdefault(r.node_id, []).append(r)
+
+    def _parse_heartbeats(self) -> None:
+        """Each replica's heartbeat parsed as it arrives, so that no decision parses one
+        (a prefill replica's transfer model has a fit per decode peer); a poll that brings
+        a replica's last heartbeat again keeps its parse."""
+        old, self._heartbeat_loads = self._heartbeat_loads, {}
+        self._slowed_models.clear()
+        for r in self.replicas.values():
+            kept = old.get(r.replica_id)
+            if kept is not None and _same_heartbeat(kept[0], r):
+                self._heartbeat_loads[r.replica_id] = (r, kept[1])
+            else:
+                self.heartbeat_load(r)
+
+    def _slowed(self, replica_id: str, base: ReplicaLoad, node_busy: float) -> StepCoefficients:
+        """`base`'s step model beside `node_busy` busy neighbours, kept while both hold (the
+        same few counts recur request after request)."""
+        kept = self._slowed_models.get(replica_id)
+        if kept is not None and kept[0] is base.coefficients and kept[1] == node_busy:
+            return kept[2]
+        slowed = base.coefficients.slowed(node_busy)
+        self._slowed_models[replica_id] = (base.coefficients, node_busy, slowed)
+        return slowed
+
+    def least_loaded(self, replicas: list[ReplicaInfo], k: int) -> list[ReplicaInfo]:
+        """The `k` of `replicas` with the least `load`, in that order (ties: in their order)."""
+        inflight = self.inflight  # `load` inlined: this runs over a pool per request
+        keyed = []
+        for i, r in enumerate(replicas):
+            reported, queued = r.load, inflight.get(r.replica_id, 0)
+            keyed.append((reported if reported > queued else queued, i, r))
+        return [r for _, _, r in heapq.nsmallest(k, keyed)]
 
     def load_of(self, replica: ReplicaInfo, now: float | None = None, recent_prompts: bool = False,
                 arrival_objectives: bool = False) -> ReplicaLoad:
@@ -134,7 +172,7 @@ class ClusterView:
         done = computed(self, rid, base.prefill_progress)
         queue_tokens, queue_work, ran = queue_of(self, rid, base, since, done, node_busy, now)
         return base.evolve(
-            coefficients=base.coefficients.slowed(node_busy),
+            coefficients=self._slowed(rid, base, node_busy),
             queue_tokens=queue_tokens, queue_work=queue_work,
             background_tokens=min(queue_tokens, pending(
                 base.background_tokens, self.background_backlog.get(rid, 0) - done.background.tokens,
@@ -398,3 +436,8 @@ def _decrement(counter: Counter, key, amount: int = 1) -> None:
     counter[key] -= amount
     if counter[key] <= 0:
         del counter[key]
+
+
+def _same_heartbeat(old: ReplicaInfo, new: ReplicaInfo) -> bool:
+    """`new` reports what `old` did (the same heartbeat, polled again): its parse holds."""
+    return (old.stats is new.stats or old.stats == new.stats) and old.role == new.role and old.address == new.address

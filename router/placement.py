@@ -17,7 +17,6 @@ prefix attracts it or shortens its prefill.
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, field
 
 from cluster.config import SLO, WorkloadProfile
@@ -119,7 +118,7 @@ def _place(view: ClusterView, prompt_ids: list[int], max_tokens: int, profile: W
         decodes = view.overdue("decode")
     if not decodes and not prefills:
         raise unavailable("No healthy decode or prefill replica")
-    ranked = heapq.nsmallest(MAX_PREFILL_CANDIDATES, prefills, key=view.load)
+    ranked = view.least_loaded(prefills, MAX_PREFILL_CANDIDATES)
     prefill = ranked[0] if ranked else None
     if not decodes:  # only prefill replicas are left: they can run requests whole
         decision = _whole_decision(view, prefill, prompt_ids, hits, max_tokens, profile, work, inputs)

@@ -13,7 +13,8 @@ from cluster.bench.policy import MODES, PolicyBenchConfig, run_benchmark
 from cluster.cli import app
 
 FIGURES = {"num_decisions", "p50_ms", "p99_ms", "max_ms", "mean_ms", "decisions_per_s", "cpu_p50_ms", "cpu_p99_ms",
-           "routes", "kinds", "reasons", "prefix_hit_fraction"}
+           "routes", "kinds", "reasons", "prefix_hit_fraction", "num_heartbeats", "heartbeat_update_p50_ms",
+           "heartbeat_update_max_ms"}
 
 
 def test_bench_policy_reports_both_modes_and_both_routes():
@@ -26,6 +27,7 @@ def test_bench_policy_reports_both_modes_and_both_routes():
         assert r["num_decisions"] == 300 == sum(r["routes"].values()) == sum(r["kinds"].values())
         assert r["routes"].get("local", 0) > 0 and r["routes"].get("disagg", 0) > 0, (mode, r["routes"])
         assert 0 < r["prefix_hit_fraction"] < 1  # shared prefixes hit, fresh prompts do not
+        assert r["num_heartbeats"] > 0 and 0 < r["heartbeat_update_p50_ms"] <= r["heartbeat_update_max_ms"]
     assert set(report["results"]["auto"]["kinds"]) <= {"remote", "local", "background", "whole"}
     target = report["targets"]["auto_place_p99_ms"]
     assert set(target) == {"value", "limit", "met"} and target["value"] == report["results"]["auto"]["p99_ms"]

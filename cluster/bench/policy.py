@@ -14,6 +14,8 @@ The requests and heartbeats are made in cluster/bench/policy_cluster.py.
 Only `place()` is timed (`time.perf_counter_ns`): choosing the decode replica over the
 prefix index, pricing every candidate and deciding. Its thread CPU time is reported too:
 on a shared machine the wall-clock tail holds the time other processes took the core.
+Taking in each poll's heartbeats (`ClusterView.update`, which parses them) is not part
+of a decision; its time is reported apart (`heartbeat_update_p50_ms`).
 The same requests and heartbeats run in mode `auto` and, for comparison, `threshold`.
 """
 
@@ -81,7 +83,8 @@ def run_benchmark(cfg: PolicyBenchConfig, log: Log = lambda _msg: None) -> dict:
 
 def _log_mode(log: Log, mode: str, r: dict) -> None:
     log(f"{mode:9s} p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms  max {r['max_ms']:.3f} ms  "
-        f"(CPU p99 {r['cpu_p99_ms']:.3f} ms)  {r['decisions_per_s']:,.0f} decisions/s  routes {r['routes']}")
+        f"(CPU p99 {r['cpu_p99_ms']:.3f} ms)  {r['decisions_per_s']:,.0f} decisions/s  routes {r['routes']}  "
+        f"heartbeats taken in p50 {r.get('heartbeat_update_p50_ms', 0.0):.2f} ms")
 
 
 def run_mode(cfg: PolicyBenchConfig, mode: str) -> dict:
@@ -96,7 +99,7 @@ def run_mode(cfg: PolicyBenchConfig, mode: str) -> dict:
         times_ns.append(ns)
         cpu_ns.append(cpu)
         mix.count(placement)  # not kept: a heap of old placements would slow the garbage collector
-    return summary(times_ns, cpu_ns, mix)
+    return {**summary(times_ns, cpu_ns, mix), **heartbeat_summary(sim.update_ns)}
 
 
 @dataclass
@@ -126,6 +129,16 @@ def summary(times_ns: list[int], cpu_ns: list[int], mix: Mix) -> dict:
             "reasons": dict(mix.reasons.most_common()), "prefix_hit_fraction": round(mix.num_prefix_hits / len(ms), 3)}
 
 
+def heartbeat_summary(update_ns: list[int]) -> dict:
+    """What taking in one poll's heartbeats cost (`ClusterView.update`, off the decision:
+    each heartbeat is parsed there, once)."""
+    ms = sorted(t / 1e6 for t in update_ns)
+    if not ms:
+        return {"num_heartbeats": 0}
+    return {"num_heartbeats": len(ms), "heartbeat_update_p50_ms": round(_quantile(ms, 0.5), 4),
+            "heartbeat_update_max_ms": round(ms[-1], 4)}
+
+
 def _quantile(sorted_values: list[float], q: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, math.ceil(q * len(sorted_values)) - 1)]
 
@@ -145,6 +158,7 @@ class Simulation:
         self.view.update(self.heartbeats.next(0.0), 0.0, 0.0)
         self.corrections = Corrections()
         self.now, self.next_heartbeat, self.num_decided = 0.0, HEARTBEAT_S, 0
+        self.update_ns: list[int] = []  # each poll's `view.update`, timed (not part of a decision)
         self.pending: list[tuple[int, int, str, Placement]] = []  # (due decision, tiebreak, event, placement)
         # how much slower than predicted each replica really is (what the corrections learn)
         self.bias = {r.replica_id: math.exp(self.outcomes.gauss(0.0, 0.3)) for r in self.view.replicas.values()}
@@ -192,7 +206,10 @@ class Simulation:
                 self.view.end(placement)
                 self._learn(placement)
         if self.now >= self.next_heartbeat:
-            self.view.update(self.heartbeats.next(self.now), self.now, self.now)  # they age till the next, as live
+            replicas = self.heartbeats.next(self.now)
+            start = time.perf_counter_ns()
+            self.view.update(replicas, self.now, self.now)  # they age till the next, as live
+            self.update_ns.append(time.perf_counter_ns() - start)
             self.next_heartbeat += HEARTBEAT_S
 
     def _learn(self, placement: Placement) -> None:
