@@ -19,6 +19,7 @@ from router.placement import Placement
 from router.policy import RouteDecision
 from router.streaming import Timing
 from tests.test_auto_policy import BUSY_STREAMS, ctx, replica
+from workers.engine_worker import HEARTBEAT_INTERVAL_S
 from workers.protocol import GenerateChunk, PrefillResult
 from workers.stream.wire import StreamRejected, chunk_from_wire, prefill_result_from_wire, to_wire
 
@@ -57,6 +58,14 @@ def test_a_stalled_transfer_prices_its_link_until_the_replicas_report_has_it():
     assert state.link_tail_s("p1", "d2", 10.5) == 0.0  # another pair's link is its own
     _, later = _remote_candidate(state, 10.0 + LINK_REPORT_S + 0.1)
     assert later.transfer_s == pytest.approx(raw.prediction.transfer_s)
+
+
+def test_a_stall_is_priced_for_longer_than_the_replicas_report_takes_to_reach_the_router():
+    """The replica's fit has the stall at its next heartbeat; a router reads it at its
+    next poll, at the longest interval the settings allow."""
+    longest_poll = next(m.le for m in RouterSettings.model_fields["state_poll_interval_s"].metadata
+                        if getattr(m, "le", None) is not None)
+    assert LINK_REPORT_S > HEARTBEAT_INTERVAL_S + longest_poll
 
 
 def test_an_ordinary_transfer_ends_the_stall_and_noise_starts_none():
