@@ -32,6 +32,7 @@ victims are still waiting, not only once they complete.
 from __future__ import annotations
 
 import heapq
+import logging
 import math
 from collections import Counter, deque
 from typing import TYPE_CHECKING
@@ -48,6 +49,8 @@ from workers.engine.cost_model import StepCoefficients
 
 if TYPE_CHECKING:
     from router.placement import Placement
+
+log = logging.getLogger(__name__)
 
 
 class ClusterView:
@@ -120,15 +123,20 @@ class ClusterView:
     def _parse_heartbeats(self) -> None:
         """Each replica's heartbeat parsed as it arrives, so that no decision parses one
         (a prefill replica's transfer model has a fit per decode peer); a poll that brings
-        a replica's last heartbeat again keeps its parse."""
+        a replica's last heartbeat again keeps its parse. One that cannot be parsed (a
+        replica of another version) is left to the decisions that price it, which fail as
+        they would have; it never stops the poll taking in the others."""
         old, self._heartbeat_loads = self._heartbeat_loads, {}
         self._slowed_models.clear()
         for r in self.replicas.values():
             kept = old.get(r.replica_id)
             if kept is not None and _same_heartbeat(kept[0], r):
                 self._heartbeat_loads[r.replica_id] = (r, kept[1])
-            else:
+                continue
+            try:
                 self.heartbeat_load(r)
+            except (TypeError, ValueError, KeyError, AttributeError) as e:
+                log.warning("heartbeat of replica %s cannot be read: %r", r.replica_id, e)
 
     def _slowed(self, replica_id: str, base: ReplicaLoad, node_busy: float) -> StepCoefficients:
         """`base`'s step model beside `node_busy` busy neighbours, kept while both hold (the

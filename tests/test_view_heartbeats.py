@@ -77,3 +77,12 @@ def test_least_loaded_ranks_as_nsmallest_by_load_ties_in_pool_order():
         k = rng.randint(1, 6)
         assert view.least_loaded(view.healthy("prefill"), k) == heapq.nsmallest(k, view.healthy("prefill"),
                                                                               key=view.load)
+
+
+def test_a_heartbeat_that_cannot_be_read_leaves_the_others_taken_in():
+    replicas = _replicas()
+    replicas[0].stats["step_model"] = {**STEP_MODEL, "c9": 1.0}  # a field this version does not know
+    view = ClusterView(16, 8)
+    view.update(replicas)  # does not raise: the poll goes on
+    assert view.heartbeat_load(view.replicas["p1"]).role == "prefill"
+    assert [r.replica_id for r in view.healthy("decode")] == ["d1"]
