@@ -85,6 +85,7 @@ class ClusterView:
         self._heartbeat_loads: dict[str, tuple[ReplicaInfo, ReplicaLoad]] = {}
         # per replica: its step model slowed by its busy neighbours, as last priced (`_slowed`)
         self._slowed_models: dict[str, tuple[StepCoefficients, float, StepCoefficients]] = {}
+        self._unreadable: set[str] = set()  # replicas whose last heartbeat could not be parsed (warned once)
         self.drains = QueueDrains()  # what a heartbeat's queue, and what was sent since, take to drain
         self.nodes: dict[str, list[ReplicaInfo]] = {}  # node id -> its healthy replicas (known ids only)
         # per replica: the requests this router placed to decode there lately, each with its TTFT objective
@@ -135,8 +136,11 @@ class ClusterView:
                 continue
             try:
                 self.heartbeat_load(r)
+                self._unreadable.discard(r.replica_id)
             except (TypeError, ValueError, KeyError, AttributeError) as e:
-                log.warning("heartbeat of replica %s cannot be read: %r", r.replica_id, e)
+                if r.replica_id not in self._unreadable:  # once, not every poll
+                    log.warning("heartbeat of replica %s cannot be read: %r", r.replica_id, e)
+                self._unreadable.add(r.replica_id)
 
     def _slowed(self, replica_id: str, base: ReplicaLoad, node_busy: float) -> StepCoefficients:
         """`base`'s step model beside `node_busy` busy neighbours, kept while both hold (the
