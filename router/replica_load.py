@@ -10,8 +10,10 @@ heartbeat, so several router replicas stay consistent with each other. It is pla
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
+from router.peer_links import PeerLinks
 from workers.engine.cost_model import DEFAULT_COEFFICIENTS, StepCoefficients
 from workers.engine.request_ids import origin_request_id
 from workers.engine.transfer_cost import DEFAULT_TRANSFER, TransferCoefficients
@@ -48,7 +50,7 @@ class ReplicaLoad:
     kv_bytes_per_token: int = 0
     address: str | None = None  # the advertised KV transport address (a transfer's peer)
     # prefill replicas: the exposed transfer tail per decode peer address, "*" for any
-    transfers: dict[str, TransferCoefficients] = field(default_factory=dict)
+    transfers: Mapping[str, TransferCoefficients] = field(default_factory=dict)
     # prefill replicas: per decode peer address, how long the transfer there that has waited
     # longest for its acknowledgement since its prompt was computed had waited, at the
     # heartbeat (`workers/transfer_waits.py`); absent: none waits
@@ -130,8 +132,7 @@ def from_stats(replica_id: str, role: str, stats: dict, address: str | None = No
     coefficients = StepCoefficients.from_dict(model) if isinstance(model, dict) else DEFAULT_COEFFICIENTS
     streams = int(stats.get("num_decoding", 0))
     left = float(stats.get("decode_tokens_remaining", 0)) / streams if streams else 0.0
-    transfers = {peer: TransferCoefficients.from_dict(c)
-                 for peer, c in (stats.get("transfer_model") or {}).items() if isinstance(c, dict)}
+    transfers = PeerLinks(stats.get("transfer_model"))  # each peer's fit parsed when first priced
     return ReplicaLoad(
         replica_id, role, coefficients,
         chunk_tokens=int(stats.get("max_num_batched_tokens", DEFAULT_CHUNK_TOKENS)),
