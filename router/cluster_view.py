@@ -31,26 +31,22 @@ victims are still waiting, not only once they complete.
 
 from __future__ import annotations
 
-import heapq
-import logging
 import math
 from collections import Counter, deque
 from typing import TYPE_CHECKING
 
 from router.arrival_rate import ArrivalRate
+from router.heartbeat_parses import HeartbeatParses
 from router.incoming import due_later, due_soon
 from router.overdue import overdue
 from router.prefix_index import PrefixIndex
 from router.prompt_tally import Since, pending
 from router.replica_info import ReplicaInfo
-from router.replica_load import DEFAULT_CHUNK_TOKENS, ReplicaLoad, from_stats
+from router.replica_load import DEFAULT_CHUNK_TOKENS, ReplicaLoad
 from router.replica_queue import MAX_HEARTBEAT_AGE_S, QueueDrains, computed, queue_of, wake
-from workers.engine.cost_model import StepCoefficients
 
 if TYPE_CHECKING:
     from router.placement import Placement
-
-log = logging.getLogger(__name__)
 
 
 class ClusterView:
@@ -80,12 +76,7 @@ class ClusterView:
         self.since: dict[str, Since] = {}  # per replica: this router's prompts since its last heartbeat
         # per replica: this router's requests that decode there under a TPOT objective
         self.slo_streams: dict[str, dict[int, Placement]] = {}
-        # per replica: its heartbeat parsed (`from_stats`), once per heartbeat rather than per
-        # candidate per request (a prefill replica's transfer model has a fit per decode peer)
-        self._heartbeat_loads: dict[str, tuple[ReplicaInfo, ReplicaLoad]] = {}
-        # per replica: its step model slowed by its busy neighbours, as last priced (`_slowed`)
-        self._slowed_models: dict[str, tuple[StepCoefficients, float, StepCoefficients]] = {}
-        self._unreadable: set[str] = set()  # replicas whose last heartbeat could not be parsed (warned once)
+        self.heartbeats = HeartbeatParses()  # per replica: its last heartbeat, parsed as the poll brought it
         self.drains = QueueDrains()  # what a heartbeat's queue, and what was sent since, take to drain
         self.nodes: dict[str, list[ReplicaInfo]] = {}  # node id -> its healthy replicas (known ids only)
         # per replica: the requests this router placed to decode there lately, each with its TTFT objective
@@ -112,7 +103,7 @@ class ClusterView:
         self.index.retain(self.replicas)
         for rate in (self.arrivals, self.prompts):
             rate.forget(set(self.replicas))
-        self._parse_heartbeats()
+        self.heartbeats.take_in(self.replicas.values())
         for role in ("decode", "prefill"):  # built here, not by the first decision after the heartbeat
             self.healthy(role)
         self.drains.clear()
@@ -120,46 +111,6 @@ class ClusterView:
         for r in replicas:
             if r.node_id and r.healthy:
                 self.nodes.setdefault(r.node_id, []).append(r)
-
-    def _parse_heartbeats(self) -> None:
-        """Each replica's heartbeat parsed as it arrives, so that no decision parses one
-        (a prefill replica's transfer model has a fit per decode peer); a poll that brings
-        a replica's last heartbeat again keeps its parse. One that cannot be parsed (a
-        replica of another version) is left to the decisions that price it, which fail as
-        they would have; it never stops the poll taking in the others."""
-        old, self._heartbeat_loads = self._heartbeat_loads, {}
-        self._slowed_models.clear()
-        for r in self.replicas.values():
-            kept = old.get(r.replica_id)
-            if kept is not None and _same_heartbeat(kept[0], r):
-                self._heartbeat_loads[r.replica_id] = (r, kept[1])
-                continue
-            try:
-                self.heartbeat_load(r)
-                self._unreadable.discard(r.replica_id)
-            except (TypeError, ValueError, KeyError, AttributeError) as e:
-                if r.replica_id not in self._unreadable:  # once, not every poll
-                    log.warning("heartbeat of replica %s cannot be read: %r", r.replica_id, e)
-                self._unreadable.add(r.replica_id)
-
-    def _slowed(self, replica_id: str, base: ReplicaLoad, node_busy: float) -> StepCoefficients:
-        """`base`'s step model beside `node_busy` busy neighbours, kept while both hold (the
-        same few counts recur request after request)."""
-        kept = self._slowed_models.get(replica_id)
-        if kept is not None and kept[0] is base.coefficients and kept[1] == node_busy:
-            return kept[2]
-        slowed = base.coefficients.slowed(node_busy)
-        self._slowed_models[replica_id] = (base.coefficients, node_busy, slowed)
-        return slowed
-
-    def least_loaded(self, replicas: list[ReplicaInfo], k: int) -> list[ReplicaInfo]:
-        """The `k` of `replicas` with the least `load`, in that order (ties: in their order)."""
-        inflight = self.inflight  # `load` inlined: this runs over a pool per request
-        keyed = []
-        for i, r in enumerate(replicas):
-            reported, queued = r.load, inflight.get(r.replica_id, 0)
-            keyed.append((reported if reported > queued else queued, i, r))
-        return [r for _, _, r in heapq.nsmallest(k, keyed)]
 
     def load_of(self, replica: ReplicaInfo, now: float | None = None, recent_prompts: bool = False,
                 arrival_objectives: bool = False) -> ReplicaLoad:
@@ -184,7 +135,7 @@ class ClusterView:
         done = computed(self, rid, base.prefill_progress)
         queue_tokens, queue_work, ran = queue_of(self, rid, base, since, done, node_busy, now)
         return base.evolve(
-            coefficients=self._slowed(rid, base, node_busy),
+            coefficients=self.heartbeats.slowed(rid, base, node_busy),
             queue_tokens=queue_tokens, queue_work=queue_work,
             background_tokens=min(queue_tokens, pending(
                 base.background_tokens, self.background_backlog.get(rid, 0) - done.background.tokens,
@@ -281,15 +232,9 @@ class ClusterView:
         return self.heartbeat_load(replica).chunk_tokens if replica is not None else DEFAULT_CHUNK_TOKENS
 
     def heartbeat_load(self, replica: ReplicaInfo) -> ReplicaLoad:
-        """The replica's last heartbeat as it reported it (`from_stats`, nothing of this
-        router's since), parsed once per heartbeat (its stats are never changed in place:
-        `update` brings new `ReplicaInfo`s)."""
-        cached = self._heartbeat_loads.get(replica.replica_id)
-        if cached is not None and cached[0] is replica:
-            return cached[1]
-        base = from_stats(replica.replica_id, replica.role, replica.stats, replica.address)
-        self._heartbeat_loads[replica.replica_id] = (replica, base)
-        return base
+        """The replica's last heartbeat as it reported it, nothing of this router's since
+        (parsed when `update` took it in: router/heartbeat_parses.py)."""
+        return self.heartbeats.load(replica)
 
     def stream_address(self, replica_id: str | None) -> str | None:
         """The replica's advertised worker stream (workers/stream/client.py), if any."""
@@ -448,8 +393,3 @@ def _decrement(counter: Counter, key, amount: int = 1) -> None:
     counter[key] -= amount
     if counter[key] <= 0:
         del counter[key]
-
-
-def _same_heartbeat(old: ReplicaInfo, new: ReplicaInfo) -> bool:
-    """`new` reports what `old` did (the same heartbeat, polled again): its parse holds."""
-    return (old.stats is new.stats or old.stats == new.stats) and old.role == new.role and old.address == new.address

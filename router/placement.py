@@ -17,6 +17,7 @@ prefix attracts it or shortens its prefill.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 from cluster.config import SLO, WorkloadProfile
@@ -118,7 +119,7 @@ def _place(view: ClusterView, prompt_ids: list[int], max_tokens: int, profile: W
         decodes = view.overdue("decode")
     if not decodes and not prefills:
         raise unavailable("No healthy decode or prefill replica")
-    ranked = view.least_loaded(prefills, MAX_PREFILL_CANDIDATES)
+    ranked = least_loaded(view, prefills, MAX_PREFILL_CANDIDATES)
     prefill = ranked[0] if ranked else None
     if not decodes:  # only prefill replicas are left: they can run requests whole
         decision = _whole_decision(view, prefill, prompt_ids, hits, max_tokens, profile, work, inputs)
@@ -214,6 +215,16 @@ def _choose_decode(view: ClusterView, decodes: list[ReplicaInfo], hashes: list[i
     if best_hit == 0 or best_load - least_load > AFFINITY_MAX_IMBALANCE:
         return least, best_hit if least is best else index.num_matched_blocks(least.replica_id, hashes)
     return best, best_hit
+
+
+def least_loaded(view: ClusterView, replicas: list[ReplicaInfo], k: int) -> list[ReplicaInfo]:
+    """The `k` of `replicas` with the least `view.load`, in that order (ties: in their order)."""
+    inflight = view.inflight  # `load` inlined: this runs over the prefill pool per request
+    keyed = []
+    for i, r in enumerate(replicas):
+        reported, queued = r.load, inflight.get(r.replica_id, 0)
+        keyed.append((reported if reported > queued else queued, i, r))
+    return [r for _, _, r in heapq.nsmallest(k, keyed)]
 
 
 def _has_room(view: ClusterView, replica: ReplicaInfo, prompt_len: int, max_tokens: int, hit_blocks: int,

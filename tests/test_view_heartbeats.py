@@ -1,14 +1,15 @@
 """The view takes in each poll's heartbeats as they come: it parses every one there, so
 no routing decision parses one, keeps a parse while a replica's heartbeat stays the same,
-and ranks a pool by load as `heapq.nsmallest` does."""
+and placement ranks a pool by load as `heapq.nsmallest` does."""
 
 from __future__ import annotations
 
 import heapq
 import random
 
-import router.cluster_view as cluster_view
+import router.heartbeat_parses as heartbeat_parses
 from router.cluster_view import ClusterView, ReplicaInfo
+from router.placement import least_loaded
 from workers.engine.cost_model import StepCoefficients
 
 STEP_MODEL = StepCoefficients(0.01, 1e-4, 0.0, 1e-4, 0.0, num_samples=4).to_dict()
@@ -22,13 +23,13 @@ def _replicas(waiting: int = 0) -> list[ReplicaInfo]:
 
 def _counting_parses(monkeypatch) -> list[str]:
     parsed: list[str] = []
-    real = cluster_view.from_stats
+    real = heartbeat_parses.from_stats
 
     def counting(replica_id, *args, **kwargs):
         parsed.append(replica_id)
         return real(replica_id, *args, **kwargs)
 
-    monkeypatch.setattr(cluster_view, "from_stats", counting)
+    monkeypatch.setattr(heartbeat_parses, "from_stats", counting)
     return parsed
 
 
@@ -66,7 +67,7 @@ def test_a_replica_that_moved_keeps_no_parse_of_its_old_address(monkeypatch):
     assert len(parsed) == 3 and view.heartbeat_load(view.replicas["p1"]).address == "tcp://p1-restarted"
 
 
-def test_least_loaded_ranks_as_nsmallest_by_load_ties_in_pool_order():
+def testleast_loaded_ranks_as_nsmallest_by_load_ties_in_pool_order():
     rng = random.Random(3)
     for _ in range(200):
         pool = [ReplicaInfo(f"r{i}", "prefill", stats={"num_running": rng.randint(0, 3)}) for i in range(12)]
@@ -75,7 +76,7 @@ def test_least_loaded_ranks_as_nsmallest_by_load_ties_in_pool_order():
         for r in rng.sample(pool, 4):
             view.inflight[r.replica_id] += rng.randint(0, 5)
         k = rng.randint(1, 6)
-        assert view.least_loaded(view.healthy("prefill"), k) == heapq.nsmallest(k, view.healthy("prefill"),
+        assert least_loaded(view, view.healthy("prefill"), k) == heapq.nsmallest(k, view.healthy("prefill"),
                                                                               key=view.load)
 
 
