@@ -101,6 +101,8 @@ class ClusterView:
             del self.waiting[key]
         self.excluded.clear()
         self.index.retain(self.replicas)
+        for r in replicas:
+            self.index.set_capacity(r.replica_id, r.kv_pool_blocks)
         for rate in (self.arrivals, self.prompts):
             rate.forget(set(self.replicas))
         self.heartbeats.take_in(self.replicas.values())

@@ -2,9 +2,14 @@
 
 The router records a key per full block of every prompt it sends to a replica
 (`block_keys`) and forgets the least recently used ones past a capacity, as the engines'
-caches do. It never asks a replica, so routing costs no extra hop; a wrong guess only
-costs some recomputation, never correctness: the engines find their cached blocks by
-their own collision-resistant hashes (`workers.engine.prefix_hash`).
+caches do: a prompt's blocks are touched tail first, as the engines release them, so a
+block is never more recent than the blocks before it and a prefix outlives its
+suffixes. What a replica holds is then closed under prefixes, and the leading run of a
+prompt's keys it holds is found by bisection.
+
+It never asks a replica, so routing costs no extra hop; a wrong guess only costs some
+recomputation, never correctness: the engines find their cached blocks by their own
+collision-resistant hashes (`workers.engine.prefix_hash`).
 """
 
 from __future__ import annotations
@@ -32,23 +37,32 @@ def block_keys(token_ids: Sequence[int], block_size: int) -> list[int]:
 
 
 class PrefixIndex:
+    """Per replica, the block keys its prefix cache probably holds, least recently used
+    first; at most its KV pool's blocks (`set_capacity`, from its heartbeat), else
+    `capacity_blocks`."""
+
     def __init__(self, capacity_blocks: int = 65536) -> None:
         assert capacity_blocks >= 1
         self.capacity_blocks = capacity_blocks
         self._blocks: dict[str, OrderedDict[int, None]] = {}
+        self._capacity: dict[str, int] = {}
 
     def num_matched_blocks(self, replica_id: str, hashes: Sequence[int]) -> int:
         """Length of the leading run of `hashes` that `replica_id` holds (chained hashes:
-        a later block can only be valid when every earlier one is)."""
+        a later block can only be valid when every earlier one is). What it holds is
+        closed under prefixes (`insert`), so holding block i means holding those before
+        it: a bisection, a few lookups where a scan took one per block of a long hit."""
         held = self._blocks.get(replica_id)
-        if not held:
+        if not held or not hashes or hashes[0] not in held:
             return 0
-        n = 0
-        for h in hashes:
-            if h not in held:
-                break
-            n += 1
-        return n
+        known, most = 1, len(hashes)  # it holds the first `known`; the run is at most `most`
+        while known < most:
+            mid = (known + most + 1) // 2
+            if hashes[mid - 1] in held:
+                known = mid
+            else:
+                most = mid - 1
+        return known
 
     @property
     def held_blocks(self) -> Mapping[str, Container[int]]:
@@ -57,24 +71,42 @@ class PrefixIndex:
         return self._blocks
 
     def holds(self, replica_id: str, block_hash: int) -> bool:
-        """Whether `replica_id` holds this one block (not necessarily the blocks before it)."""
+        """Whether `replica_id` holds this one block (and so, its keys being chained, the
+        blocks before it)."""
         held = self._blocks.get(replica_id)
         return held is not None and block_hash in held
 
+    def set_capacity(self, replica_id: str, num_blocks: int | None) -> None:
+        """`replica_id`'s KV pool, in blocks (None: unknown, `capacity_blocks`): its cache
+        never holds more, so neither does its entry here. An engine keeps a block's hash
+        until the pool hands the block out again; remembered past that, a replica whose
+        pool had turned over looked to hold a prompt it had long evicted."""
+        if num_blocks is None or num_blocks < 1:
+            self._capacity.pop(replica_id, None)
+        else:
+            self._capacity[replica_id] = num_blocks
+        held = self._blocks.get(replica_id)
+        if held is not None:
+            self._trim(replica_id, held)
+
     def insert(self, replica_id: str, hashes: Sequence[int]) -> None:
         held = self._blocks.setdefault(replica_id, OrderedDict())
-        for h in hashes:
+        for h in reversed(hashes):  # tail first: each block ends up more recent than those after it
             held[h] = None
             held.move_to_end(h)
-        while len(held) > self.capacity_blocks:
+        self._trim(replica_id, held)
+
+    def _trim(self, replica_id: str, held: OrderedDict[int, None]) -> None:
+        capacity = self._capacity.get(replica_id, self.capacity_blocks)
+        while len(held) > capacity:
             held.popitem(last=False)
 
     def retain(self, replica_ids: Iterable[str]) -> None:
         """Forget replicas that are gone (a restarted replica starts with an empty cache)."""
         keep = set(replica_ids)
-        for replica_id in list(self._blocks):
-            if replica_id not in keep:
-                del self._blocks[replica_id]
+        for table in (self._blocks, self._capacity):
+            for replica_id in [r for r in table if r not in keep]:
+                del table[replica_id]
 
     def num_blocks(self, replica_id: str) -> int:
         return len(self._blocks.get(replica_id, ()))

@@ -32,5 +32,15 @@ class ReplicaInfo:
         return cached[1]
 
     @property
+    def kv_pool_blocks(self) -> int | None:
+        """Its KV pool in blocks (`kv_blocks_total`); None where the heartbeat reports
+        none, or none readable."""
+        try:
+            blocks = int(self.stats.get("kv_blocks_total") or 0)
+        except (TypeError, ValueError):
+            return None
+        return blocks if blocks > 0 else None
+
+    @property
     def queue_len(self) -> int:
         return int(self.stats.get("num_waiting", 0))
