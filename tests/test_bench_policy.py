@@ -14,7 +14,7 @@ from cluster.cli import app
 
 FIGURES = {"num_decisions", "p50_ms", "p99_ms", "max_ms", "mean_ms", "decisions_per_s", "cpu_p50_ms", "cpu_p99_ms",
            "routes", "kinds", "reasons", "prefix_hit_fraction", "num_heartbeats", "heartbeat_update_p50_ms",
-           "heartbeat_update_max_ms"}
+           "heartbeat_update_max_ms", "machine_probe_p50_ms", "machine_probe_p99_over_p50"}
 
 
 def test_bench_policy_reports_both_modes_and_both_routes():
@@ -28,6 +28,7 @@ def test_bench_policy_reports_both_modes_and_both_routes():
         assert r["routes"].get("local", 0) > 0 and r["routes"].get("disagg", 0) > 0, (mode, r["routes"])
         assert 0 < r["prefix_hit_fraction"] < 1  # shared prefixes hit, fresh prompts do not
         assert r["num_heartbeats"] > 0 and 0 < r["heartbeat_update_p50_ms"] <= r["heartbeat_update_max_ms"]
+        assert r["machine_probe_p50_ms"] > 0 and r["machine_probe_p99_over_p50"] >= 1.0
     assert set(report["results"]["auto"]["kinds"]) <= {"remote", "local", "background", "whole"}
     target = report["targets"]["auto_place_p99_ms"]
     assert set(target) == {"value", "limit", "met"} and target["value"] == report["results"]["auto"]["p99_ms"]

@@ -15,7 +15,9 @@ Only `place()` is timed (`time.perf_counter_ns`): choosing the decode replica ov
 prefix index, pricing every candidate and deciding. Its thread CPU time is reported too:
 on a shared machine the wall-clock tail holds the time other processes took the core.
 Taking in each poll's heartbeats (`ClusterView.update`, which parses them) is not part
-of a decision; its time is reported apart (`heartbeat_update_p50_ms`).
+of a decision; its time is reported apart (`heartbeat_update_p50_ms`). After each
+decision a fixed piece of work is timed too (cluster/bench/speed_probe.py): its p99 /
+p50 is how much of the decisions' tail the machine alone makes.
 The same requests and heartbeats run in mode `auto` and, for comparison, `threshold`.
 """
 
@@ -32,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from cluster.bench.policy_cluster import MAX_PROMPT_LEN, Heartbeats, Workload
+from cluster.bench.speed_probe import probe_ns
 from cluster.config import RouterSettings, WorkloadProfile
 from router import gc_tuning
 from router.cluster_view import ClusterView
@@ -84,7 +87,8 @@ def run_benchmark(cfg: PolicyBenchConfig, log: Log = lambda _msg: None) -> dict:
 def _log_mode(log: Log, mode: str, r: dict) -> None:
     log(f"{mode:9s} p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms  max {r['max_ms']:.3f} ms  "
         f"(CPU p99 {r['cpu_p99_ms']:.3f} ms)  {r['decisions_per_s']:,.0f} decisions/s  routes {r['routes']}  "
-        f"heartbeats taken in p50 {r.get('heartbeat_update_p50_ms', 0.0):.2f} ms")
+        f"heartbeats taken in p50 {r.get('heartbeat_update_p50_ms', 0.0):.2f} ms  "
+        f"machine p99/p50 {r.get('machine_probe_p99_over_p50', 0.0):.2f}")
 
 
 def run_mode(cfg: PolicyBenchConfig, mode: str) -> dict:
@@ -93,13 +97,14 @@ def run_mode(cfg: PolicyBenchConfig, mode: str) -> dict:
     sim.seed_corrections()
     for _ in range(cfg.num_warmup):
         sim.decide()
-    times_ns, cpu_ns, mix = [], [], Mix()
+    times_ns, cpu_ns, probe_times_ns, mix = [], [], [], Mix()
     for _ in range(cfg.num_decisions):
         placement, ns, cpu = sim.decide()
         times_ns.append(ns)
         cpu_ns.append(cpu)
+        probe_times_ns.append(probe_ns())
         mix.count(placement)  # not kept: a heap of old placements would slow the garbage collector
-    return {**summary(times_ns, cpu_ns, mix), **heartbeat_summary(sim.update_ns)}
+    return {**summary(times_ns, cpu_ns, mix), **heartbeat_summary(sim.update_ns), **machine_spread(probe_times_ns)}
 
 
 @dataclass
@@ -137,6 +142,16 @@ def heartbeat_summary(update_ns: list[int]) -> dict:
         return {"num_heartbeats": 0}
     return {"num_heartbeats": len(ms), "heartbeat_update_p50_ms": round(_quantile(ms, 0.5), 4),
             "heartbeat_update_max_ms": round(ms[-1], 4)}
+
+
+def machine_spread(probe_times_ns: list[int]) -> dict:
+    """The fixed work's median time and its p99 / p50 (cluster/bench/speed_probe.py):
+    how far the machine alone stretched the same work while the decisions ran."""
+    ms = sorted(t / 1e6 for t in probe_times_ns)
+    if not ms:
+        return {}
+    p50 = _quantile(ms, 0.5)
+    return {"machine_probe_p50_ms": round(p50, 4), "machine_probe_p99_over_p50": round(_quantile(ms, 0.99) / p50, 3)}
 
 
 def _quantile(sorted_values: list[float], q: float) -> float:
