@@ -24,4 +24,3 @@ def probe_ns() -> int:
     for i in range(PROBE_ITERATIONS):
         total += i * i % 7
     return time.perf_counter_ns() - start
-
