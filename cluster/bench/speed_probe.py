@@ -2,7 +2,7 @@
 timed between the calls a benchmark measures.
 
 On a shared host (a virtual CPU beside other tenants) the same work does not take the
-same time twice: on the 2-core development VM a fixed loop of about 0.1 ms ran at p90
+same time twice: on the 2-core development VM a fixed loop of about 0.3 ms ran at p90
 1.7 times and at p99 twice its median, and consecutive runs were correlated 0.92 (0.78
 a hundred runs apart): the machine's speed drifts over tens of milliseconds. A latency
 tail measured there is the code's tail times the machine's, so a benchmark reports the
